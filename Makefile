@@ -1,0 +1,28 @@
+# vllm-specstream: the two commands the README starts with, and their setup.
+VENV := .venv
+BIN := $(VENV)/bin
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup base demo test test-fast lint clean-venv
+
+setup:  ## create .venv and install everything (idempotent; seconds when done)
+	@bash scripts/setup.sh
+
+base: setup  ## convert the embedded SmolLM2-135M-Instruct once (cached)
+	@$(BIN)/specstream prepare-base
+
+demo: base  ## generate with vLLM on the embedded model
+	@$(BIN)/python examples/demo.py
+
+test: setup base  ## the whole suite, engine tests included (what CI runs)
+	@$(BIN)/python -m pytest -q tests
+
+test-fast: setup  ## unit tests only (no vLLM engine)
+	@$(BIN)/python -m pytest -q -m "not engine and not serve" tests
+
+lint: setup
+	@$(BIN)/ruff check vllm_specstream tests examples benchmarks
+	@$(BIN)/ruff format --check vllm_specstream tests examples benchmarks
+
+clean-venv:
+	rm -rf $(VENV)

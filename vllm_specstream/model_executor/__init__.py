@@ -1,0 +1,1 @@
+"""What runs inside vLLM: the stream-fused model classes and the stream attention."""

@@ -1,0 +1,52 @@
+"""vLLM plugin entry point (``vllm.general_plugins``): registers vllm-specstream with vLLM.
+
+vLLM calls :func:`register` in every process it starts (front-end, engine core, each
+worker, registry-inspection subprocesses), so it is idempotent and cheap: model classes are
+registered by ``"module:Class"`` string and imported only when a checkpoint asks for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_specstream.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: Architectures this plugin adds to vLLM's ModelRegistry, by lazy import path.
+MODEL_CLASSES: dict[str, str] = {}
+
+_registered = False
+
+
+def register() -> None:
+    """Check the vLLM version and register vllm-specstream's model classes. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    from vllm_specstream.vllm_version import UnsupportedVLLMVersion, ensure_supported_vllm
+
+    try:
+        vllm_version = ensure_supported_vllm()
+    except UnsupportedVLLMVersion as e:
+        # vLLM only logs a plugin's exception with a long traceback; one line says it better.
+        logger.error("%s The plugin is not loaded.", e)
+        return
+
+    from vllm import ModelRegistry
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for arch, path in MODEL_CLASSES.items():
+        if arch not in supported:
+            ModelRegistry.register_model(arch, path)
+
+    from vllm_specstream.cpu_env import apply_cpu_env
+
+    apply_cpu_env()
+    _registered = True
+    logger.debug(
+        "vllm-specstream registered with vLLM %s in process %d (%s)",
+        vllm_version,
+        os.getpid(),
+        ", ".join(MODEL_CLASSES) or "no model classes",
+    )

@@ -1,0 +1,1 @@
+"""Training: LoRA + stream-embedding fine-tuning, export, task data, evaluation. Never imports vLLM."""
