@@ -1,0 +1,159 @@
+"""SpecStreamConfig: the multi-stream settings shared by training, checkpoints and vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+#: Checkpoint format this code writes; it reads this version and older ones.
+FORMAT_VERSION = 1
+CONFIG_FILE = "specstream_config.json"
+
+
+class ConfigError(ValueError):
+    """A specstream config is invalid; the message names the file and field."""
+
+
+@dataclass
+class PruneConfig:
+    """Tree-pruning adapter (paper 3.2.3): early-exit logits at layer ``layer``."""
+
+    enabled: bool = False
+    """Train the pruning adapter (needed for tree drafting with pruning)."""
+    layer: int | None = None
+    """Early-exit layer ``Lp``; None means the first MSA layer ``N - num_msa_layers``."""
+    rank: int = 8
+    """Rank of the low-rank adapter ``Bp(Ap(x))``."""
+    threshold: float = 0.01
+    """A tree node is pruned when its early-exit probability given its parent is below this."""
+
+
+@dataclass
+class LossConfig:
+    """Weights of paper eq. 5: ``a0 * CE(main) + sum_j a_j * CE(stream j)``."""
+
+    a0: float = 1.0
+    """Weight of the main stream's next-token loss."""
+    a_j: float | list[float] = 0.1
+    """Weight of each stream's loss: one number for all streams, or one per stream."""
+
+    def stream_weights(self, num_streams: int) -> list[float]:
+        if isinstance(self.a_j, (int, float)):
+            return [float(self.a_j)] * num_streams
+        return [float(w) for w in self.a_j]
+
+
+@dataclass
+class SpecStreamConfig:
+    """How the speculative streams are built (SPEC section 2).
+
+    Example::
+
+        SpecStreamConfig(num_streams=4, num_msa_layers=6)
+    """
+
+    num_streams: int = 4
+    """gamma: speculative streams per position; stream j predicts the token j+1 steps after
+    the next one. vLLM's ``num_speculative_tokens`` may be at most this."""
+    num_msa_layers: int = 6
+    """N_s: the top N_s decoder layers carry the streams (multi-stream attention)."""
+    stream_position: Literal["shifted", "anchor"] = "shifted"
+    """Rotary position of stream j at anchor t: ``t + j`` ("shifted") or ``t`` ("anchor")."""
+    init_rank: int = 0
+    """eta: rank of the stream-initialisation adapter f(x) = x + B(A(x)); 0 = identity."""
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    """Tree-pruning adapter."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Loss weights (training only)."""
+    base_model: str | None = None
+    """Path or name of the base checkpoint the adapter was trained on."""
+    format_version: int = FORMAT_VERSION
+    """Checkpoint format version."""
+
+    def validate(self, num_hidden_layers: int | None = None, where: str = "config") -> None:
+        """Raise :class:`ConfigError` naming ``where`` and the field if anything is off."""
+
+        def bad(field_name: str, msg: str) -> ConfigError:
+            return ConfigError(f"{where}: {field_name} {msg}")
+
+        if not isinstance(self.num_streams, int) or self.num_streams < 1:
+            raise bad("num_streams", f"must be an integer >= 1, got {self.num_streams!r}")
+        if not isinstance(self.num_msa_layers, int) or self.num_msa_layers < 1:
+            raise bad("num_msa_layers", f"must be an integer >= 1, got {self.num_msa_layers!r}")
+        if num_hidden_layers is not None and self.num_msa_layers > num_hidden_layers:
+            raise bad("num_msa_layers", f"is {self.num_msa_layers} but the model has only "
+                      f"{num_hidden_layers} layers")
+        if self.stream_position not in ("shifted", "anchor"):
+            raise bad("stream_position", f"must be 'shifted' or 'anchor', got {self.stream_position!r}")
+        if not isinstance(self.init_rank, int) or self.init_rank < 0:
+            raise bad("init_rank", f"must be an integer >= 0, got {self.init_rank!r}")
+        if self.prune.rank < 1:
+            raise bad("prune.rank", f"must be >= 1, got {self.prune.rank!r}")
+        if not 0.0 <= self.prune.threshold < 1.0:
+            raise bad("prune.threshold", f"must be in [0, 1), got {self.prune.threshold!r}")
+        if self.prune.layer is not None and num_hidden_layers is not None and not (
+            0 <= self.prune.layer < num_hidden_layers
+        ):
+            raise bad("prune.layer", f"must be in [0, {num_hidden_layers}), got {self.prune.layer}")
+        weights = self.loss.stream_weights(self.num_streams)
+        if len(weights) != self.num_streams:
+            raise bad("loss.a_j", f"has {len(weights)} weights for {self.num_streams} streams")
+        if self.loss.a0 < 0 or any(w < 0 for w in weights):
+            raise bad("loss", "weights must be >= 0")
+        if not isinstance(self.format_version, int) or self.format_version < 1:
+            raise bad("format_version", f"must be an integer >= 1, got {self.format_version!r}")
+        if self.format_version > FORMAT_VERSION:
+            raise bad("format_version", f"is {self.format_version}, newer than this "
+                      f"vllm-specstream understands ({FORMAT_VERSION}); upgrade vllm-specstream")
+
+    def first_msa_layer(self, num_hidden_layers: int) -> int:
+        """L0 = N - N_s."""
+        return num_hidden_layers - self.num_msa_layers
+
+    def prune_layer(self, num_hidden_layers: int) -> int:
+        return self.first_msa_layer(num_hidden_layers) if self.prune.layer is None else self.prune.layer
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> SpecStreamConfig:
+        """Build from JSON data; unknown or mistyped fields are errors, not ignored."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        sub = {"prune": PruneConfig, "loss": LossConfig}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+        for key, sub_cls in sub.items():
+            if key in data:
+                value = data[key]
+                sub_known = {f.name for f in dataclasses.fields(sub_cls)}
+                if not isinstance(value, dict) or set(value) - sub_known:
+                    raise ConfigError(f"{where}: {key} must be an object with fields "
+                                      f"{sorted(sub_known)}, got {value!r}")
+                data[key] = sub_cls(**value)
+        config = cls(**data)
+        config.validate(where=where)
+        return config
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / CONFIG_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> SpecStreamConfig:
+        path = Path(directory) / CONFIG_FILE
+        if not path.is_file():
+            raise ConfigError(f"{path}: missing; not a specstream adapter checkpoint")
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(data, where=str(path))

@@ -1,0 +1,224 @@
+"""Multi-stream wrapper over a Hugging Face Llama-family causal LM (SPEC section 2).
+
+One forward computes the main stream (the unchanged decoder) for every position and the
+``num_streams`` speculative streams at chosen anchor positions. The streams enter at layer
+``L0 = N - num_msa_layers`` as ``f(M[t]) + P[j]`` and go through the same layers (and LoRA) as
+main tokens; in attention they see the main keys/values at positions ``<= t`` and the streams
+``<= j`` of their own anchor. Main tokens never see streams.
+
+The decoder layers are driven here from their submodules (norms, projections, MLP) rather
+than through the layers' ``forward``, so the main and stream paths share weights exactly and
+the per-layer main keys/values are at hand for the streams. This holds for the Llama family
+(Llama, Mistral, Qwen2, SmolLM), whose layers have the same structure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.stream_math import (
+    anchor_main_mask,
+    apply_rope,
+    init_streams,
+    multi_stream_attention,
+    stream_position_ids,
+)
+
+Tensor = torch.Tensor
+
+#: ``config.model_type`` values whose decoder layers this wrapper drives.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+KVCache = list[tuple[Tensor, Tensor]]
+
+
+@dataclass
+class StreamOutput:
+    """Result of :meth:`SpecStreamModel.forward` (hidden states after the final norm)."""
+
+    main_hidden: Tensor
+    """``[B, T, h]`` main stream at every input position."""
+    stream_hidden: Tensor | None
+    """``[B, A, G, h]`` streams at the anchors, or None when no anchors were asked for."""
+    anchors: Tensor | None
+    """``[B, A]`` anchor indices into the input (-1 = padding)."""
+    prune_input: Tensor
+    """``[B, T, h]`` residual stream entering the pruning layer Lp (default L0)."""
+    cache: KVCache | None = None
+    """Per-layer main keys/values (post-rotary) for all positions so far, if caching."""
+
+
+def unwrap_causal_lm(lm: nn.Module) -> nn.Module:
+    """The HF ``*ForCausalLM`` inside a PEFT wrapper (or ``lm`` itself)."""
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+def check_supported(hf_config, where: str = "base model") -> None:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{where}: model_type {model_type!r} is not supported; supported: "
+            f"{list(SUPPORTED_MODEL_TYPES)} (Llama, Mistral, Qwen2, SmolLM checkpoints)"
+        )
+
+
+class SpecStreamModel(nn.Module):
+    """A causal LM plus stream embeddings (and optional init/pruning adapters)."""
+
+    def __init__(self, lm: nn.Module, config: SpecStreamConfig, stream_init_std: float = 0.02):
+        super().__init__()
+        causal_lm = unwrap_causal_lm(lm)
+        hf_config = causal_lm.config
+        check_supported(hf_config)
+        config.validate(hf_config.num_hidden_layers)
+        self.lm = lm
+        self.config = config
+        self.num_layers = hf_config.num_hidden_layers
+        self.first_msa_layer = config.first_msa_layer(self.num_layers)
+        self.prune_layer = config.prune_layer(self.num_layers)
+        h = hf_config.hidden_size
+        dtype = causal_lm.get_input_embeddings().weight.dtype
+        self.stream_embeddings = nn.Parameter(torch.randn(config.num_streams, h, dtype=dtype) * stream_init_std)
+        if config.init_rank > 0:
+            self.init_a = nn.Parameter(torch.randn(config.init_rank, h, dtype=dtype) * h**-0.5)
+            self.init_b = nn.Parameter(torch.zeros(h, config.init_rank, dtype=dtype))
+        else:
+            self.init_a = self.init_b = None
+        if config.prune.enabled:
+            self.prune_a = nn.Parameter(torch.randn(config.prune.rank, h, dtype=dtype) * h**-0.5)
+            self.prune_b = nn.Parameter(torch.zeros(h, config.prune.rank, dtype=dtype))
+        else:
+            self.prune_a = self.prune_b = None
+
+    # -- pieces of the HF model -------------------------------------------------------------
+    @property
+    def causal_lm(self) -> nn.Module:
+        return unwrap_causal_lm(self.lm)
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.causal_lm.model
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        return self.causal_lm.lm_head(hidden)
+
+    def stream_parameters(self) -> dict[str, Tensor]:
+        """The specstream tensors saved in ``specstream.safetensors``."""
+        names = ("stream_embeddings", "init_a", "init_b", "prune_a", "prune_b")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    # -- one decoder layer, main and streams --------------------------------------------------
+    @staticmethod
+    def _qkv(attn: nn.Module, x: Tensor, n_heads: int, n_kv: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+        lead = x.shape[:-1]
+        q = attn.q_proj(x).view(*lead, n_heads, d)
+        k = attn.k_proj(x).view(*lead, n_kv, d)
+        v = attn.v_proj(x).view(*lead, n_kv, d)
+        return q, k, v
+
+    def _main_layer(self, layer, h: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor,
+                    cache: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Main stream through ``layer``; returns (h, K, V) with K/V over all cached positions."""
+        attn, cfg = layer.self_attn, self.causal_lm.config
+        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+        x = layer.input_layernorm(h)
+        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)          # [B, T, *, D]
+        q = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None])
+        k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k = torch.cat((cache[0], k), dim=2)
+            v = torch.cat((cache[1], v), dim=2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None], scale=attn.scaling,
+                                           enable_gqa=True)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(*h.shape[:-1], n_heads * d))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, k, v
+
+    def _stream_layer(self, layer, s: Tensor, cos: Tensor, sin: Tensor, k_main: Tensor, v_main: Tensor,
+                      main_mask: Tensor) -> Tensor:
+        """Streams ``[B, A, G, h]`` through ``layer`` with multi-stream attention."""
+        attn, cfg = layer.self_attn, self.causal_lm.config
+        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+        x = layer.input_layernorm(s)
+        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)          # [B, A, G, *, D]
+        perm = (0, 3, 1, 2, 4)                                   # -> [B, *, A, G, D]
+        q = apply_rope(q.permute(perm), cos[:, None], sin[:, None])
+        k = apply_rope(k.permute(perm), cos[:, None], sin[:, None])
+        o = multi_stream_attention(q, k_main, v_main, k, v.permute(perm), main_mask, attn.scaling)
+        s = s + attn.o_proj(o.permute(0, 2, 3, 1, 4).reshape(*s.shape[:-1], n_heads * d))
+        s = s + layer.mlp(layer.post_attention_layernorm(s))
+        return s
+
+    # -- the forward --------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Tensor,
+        anchors: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        use_cache: bool = False,
+    ) -> StreamOutput:
+        """Main stream for ``input_ids`` ``[B, T]`` and streams at ``anchors`` ``[B, A]``.
+
+        ``anchors`` index into ``input_ids`` (-1 = padding); None computes no streams.
+        ``attention_mask`` ``[B, T]`` marks real tokens (right padding only). With
+        ``cache`` (from a previous call with ``use_cache=True``) the inputs continue the
+        cached sequence; positions continue from the cache length (batch of 1 or equal lengths).
+        """
+        b, t = input_ids.shape
+        past = 0 if cache is None else cache[0][0].shape[2]
+        device = input_ids.device
+        positions = torch.arange(past, past + t, device=device).expand(b, t)
+        key_pos = torch.arange(past + t, device=device)
+        key_valid = torch.ones(b, past + t, dtype=torch.bool, device=device)
+        if attention_mask is not None:
+            key_valid[:, past:] = attention_mask.bool()
+        # Main: causal over all keys so far, no padding keys.
+        attn_mask = (key_pos[None, None, :] <= positions[:, :, None]) & key_valid[:, None, :]
+        decoder = self.decoder
+        h = decoder.embed_tokens(input_ids)
+        cos, sin = decoder.rotary_emb(h, positions)
+        s = s_cos = s_sin = main_mask = anchor_pos = prune_input = None
+        new_cache: KVCache = []
+        for i, layer in enumerate(decoder.layers):
+            if i == self.prune_layer:
+                prune_input = h
+            if i == self.first_msa_layer:
+                if anchors is not None:
+                    idx = anchors.clamp(min=0)
+                    anchor_pos = torch.gather(positions, 1, idx).masked_fill(anchors < 0, -1)
+                    m = torch.gather(h, 1, idx[..., None].expand(-1, -1, h.shape[-1]))
+                    s = init_streams(m, self.stream_embeddings, self.init_a, self.init_b)
+                    spos = stream_position_ids(anchor_pos.clamp(min=0), self.config.num_streams,
+                                               self.config.stream_position)
+                    s_cos, s_sin = decoder.rotary_emb(h, spos.flatten(1))
+                    g = self.config.num_streams
+                    s_cos = s_cos.view(b, -1, g, s_cos.shape[-1])
+                    s_sin = s_sin.view(b, -1, g, s_sin.shape[-1])
+                    main_mask = anchor_main_mask(anchor_pos, key_pos, key_valid)
+            h, k, v = self._main_layer(layer, h, cos, sin, attn_mask, None if cache is None else cache[i])
+            if use_cache:
+                new_cache.append((k, v))
+            if s is not None:
+                s = self._stream_layer(layer, s, s_cos, s_sin, k, v, main_mask)
+        norm = decoder.norm
+        return StreamOutput(
+            main_hidden=norm(h),
+            stream_hidden=None if s is None else norm(s),
+            anchors=anchors,
+            prune_input=prune_input,
+            cache=new_cache if use_cache else None,
+        )
+
+    def prune_logits(self, prune_input: Tensor) -> Tensor:
+        """Early-exit logits of the pruning adapter: ``lm_head(norm(M + Bp(Ap(M))))``."""
+        if self.prune_a is None:
+            raise ConfigError("prune.enabled is false: this checkpoint has no pruning adapter")
+        x = prune_input + F.linear(F.linear(prune_input, self.prune_a), self.prune_b)
+        return self.lm_head(self.decoder.norm(x))
