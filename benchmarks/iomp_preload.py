@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
+
+from vllm_specstream.machine import describe_machine
 
 PROMPTS = [
     "Write a SQL query that lists the names of employees hired after 2020.",
@@ -45,11 +46,18 @@ def child(args: argparse.Namespace) -> None:
 
 def run_variant(preload: bool, args: argparse.Namespace) -> list[float]:
     env = dict(os.environ, SPECSTREAM_IOMP_PRELOAD="1" if preload else "0")
-    cmd = [sys.executable, __file__, "--child", "--repeats", str(args.repeats),
-           "--max-tokens", str(args.max_tokens)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--repeats",
+        str(args.repeats),
+        "--max-tokens",
+        str(args.max_tokens),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])["rates"]
+    return json.loads(line[len("RESULT ") :])["rates"]
 
 
 def main() -> None:
@@ -67,9 +75,11 @@ def main() -> None:
         rates["gomp"] += run_variant(False, args)
         rates["iomp"] += run_variant(True, args)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"plain vLLM, batch 1, {args.max_tokens} greedy tokens (ignore_eos), "
-          f"{len(PROMPTS)} chat prompts x {args.repeats} repeats x {args.rounds} engine starts")
+    print(
+        f"machine: {describe_machine()}; "
+        f"plain vLLM, batch 1, {args.max_tokens} greedy tokens (ignore_eos), "
+        f"{len(PROMPTS)} chat prompts x {args.repeats} repeats x {args.rounds} engine starts"
+    )
     for k, v in rates.items():
         print(f"{k}: median {med[k]:.2f} tok/s (min {min(v):.2f}, max {max(v):.2f}, n={len(v)})")
     print(f"ratio iomp/gomp: {med['iomp'] / med['gomp']:.3f}")

@@ -1,6 +1,6 @@
 """Generate with vLLM on the embedded SmolLM2-135M-Instruct and print text and tokens/s.
 
-    .venv/bin/python examples/demo.py [--model DIR] [--max-tokens 128]
+.venv/bin/python examples/demo.py [--model DIR] [--max-tokens 128]
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def main() -> None:
         out = llm.chat([conversation], params, use_tqdm=False)[0].outputs[0]
         elapsed = time.perf_counter() - start
         print(f"\n### {conversation[0]['content']}\n{out.text.strip()}")
-        print(f"[{len(out.token_ids)} tokens in {elapsed:.2f} s: "
-              f"{len(out.token_ids) / elapsed:.1f} tokens/s, batch 1, plain vLLM]")
+        print(
+            f"[{len(out.token_ids)} tokens in {elapsed:.2f} s: "
+            f"{len(out.token_ids) / elapsed:.1f} tokens/s, batch 1, plain vLLM]"
+        )
 
 
 if __name__ == "__main__":

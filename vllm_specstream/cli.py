@@ -53,7 +53,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     from vllm_specstream.base_model import base_model_dir, verify_base_model
     from vllm_specstream.cpu_env import find_iomp
-    from vllm_specstream.vllm_version import UnsupportedVLLMVersion, ensure_supported_vllm, installed_vllm
+    from vllm_specstream.vllm_version import (
+        UnsupportedVLLMVersion,
+        ensure_supported_vllm,
+        installed_vllm,
+    )
 
     found = installed_vllm()
     try:
@@ -61,8 +65,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         vllm_ok = "supported"
     except UnsupportedVLLMVersion as e:
         vllm_ok = str(e)
-    plugins = [ep.value for ep in entry_points(group="vllm.general_plugins")
-               if ep.value.startswith("vllm_specstream")]
+    plugins = [
+        ep.value
+        for ep in entry_points(group="vllm.general_plugins")
+        if ep.value.startswith("vllm_specstream")
+    ]
     problems = verify_base_model(base_model_dir())
     report = {
         "vllm_specstream": __version__,
@@ -80,7 +87,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="specstream", description=_DESCRIPTION,
+        prog="specstream",
+        description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"vllm-specstream {__version__}")
@@ -96,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Idempotent: a verified cache is reused; a broken or half-written one is rebuilt."
         ),
     )
-    p.add_argument("--print-path", action="store_true",
-                   help="print only the checkpoint directory (for scripts); no progress bar")
+    p.add_argument(
+        "--print-path",
+        action="store_true",
+        help="print only the checkpoint directory (for scripts); no progress bar",
+    )
     p.add_argument("--force", action="store_true", help="convert again even if the cache is valid")
     p.add_argument("--home", metavar="DIR", help="cache root (default: $SPECSTREAM_HOME)")
     p.set_defaults(func=_cmd_prepare_base)
@@ -112,11 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
             "(vllm_specstream.patches.vllm_cli). Does nothing for CUDA vLLM installs."
         ),
     )
-    p.add_argument("--bin-dir", metavar="DIR", help="scripts directory (default: this environment's)")
+    p.add_argument(
+        "--bin-dir", metavar="DIR", help="scripts directory (default: this environment's)"
+    )
     p.set_defaults(func=_cmd_install_vllm_cli)
 
-    p = sub.add_parser("doctor", help="report vLLM, plugin and base-model status as JSON",
-                       description="Check the environment; exit 1 if vLLM or the plugin is unusable.")
+    p = sub.add_parser(
+        "doctor",
+        help="report vLLM, plugin and base-model status as JSON",
+        description="Check the environment; exit 1 if vLLM or the plugin is unusable.",
+    )
     p.set_defaults(func=_cmd_doctor)
     return parser
 

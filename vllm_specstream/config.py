@@ -84,18 +84,24 @@ class SpecStreamConfig:
         if not isinstance(self.num_msa_layers, int) or self.num_msa_layers < 1:
             raise bad("num_msa_layers", f"must be an integer >= 1, got {self.num_msa_layers!r}")
         if num_hidden_layers is not None and self.num_msa_layers > num_hidden_layers:
-            raise bad("num_msa_layers", f"is {self.num_msa_layers} but the model has only "
-                      f"{num_hidden_layers} layers")
+            raise bad(
+                "num_msa_layers",
+                f"is {self.num_msa_layers} but the model has only {num_hidden_layers} layers",
+            )
         if self.stream_position not in ("shifted", "anchor"):
-            raise bad("stream_position", f"must be 'shifted' or 'anchor', got {self.stream_position!r}")
+            raise bad(
+                "stream_position", f"must be 'shifted' or 'anchor', got {self.stream_position!r}"
+            )
         if not isinstance(self.init_rank, int) or self.init_rank < 0:
             raise bad("init_rank", f"must be an integer >= 0, got {self.init_rank!r}")
         if self.prune.rank < 1:
             raise bad("prune.rank", f"must be >= 1, got {self.prune.rank!r}")
         if not 0.0 <= self.prune.threshold < 1.0:
             raise bad("prune.threshold", f"must be in [0, 1), got {self.prune.threshold!r}")
-        if self.prune.layer is not None and num_hidden_layers is not None and not (
-            0 <= self.prune.layer < num_hidden_layers
+        if (
+            self.prune.layer is not None
+            and num_hidden_layers is not None
+            and not (0 <= self.prune.layer < num_hidden_layers)
         ):
             raise bad("prune.layer", f"must be in [0, {num_hidden_layers}), got {self.prune.layer}")
         weights = self.loss.stream_weights(self.num_streams)
@@ -106,15 +112,22 @@ class SpecStreamConfig:
         if not isinstance(self.format_version, int) or self.format_version < 1:
             raise bad("format_version", f"must be an integer >= 1, got {self.format_version!r}")
         if self.format_version > FORMAT_VERSION:
-            raise bad("format_version", f"is {self.format_version}, newer than this "
-                      f"vllm-specstream understands ({FORMAT_VERSION}); upgrade vllm-specstream")
+            raise bad(
+                "format_version",
+                f"is {self.format_version}, newer than this "
+                f"vllm-specstream understands ({FORMAT_VERSION}); upgrade vllm-specstream",
+            )
 
     def first_msa_layer(self, num_hidden_layers: int) -> int:
         """L0 = N - N_s."""
         return num_hidden_layers - self.num_msa_layers
 
     def prune_layer(self, num_hidden_layers: int) -> int:
-        return self.first_msa_layer(num_hidden_layers) if self.prune.layer is None else self.prune.layer
+        return (
+            self.first_msa_layer(num_hidden_layers)
+            if self.prune.layer is None
+            else self.prune.layer
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,8 +148,10 @@ class SpecStreamConfig:
                 value = data[key]
                 sub_known = {f.name for f in dataclasses.fields(sub_cls)}
                 if not isinstance(value, dict) or set(value) - sub_known:
-                    raise ConfigError(f"{where}: {key} must be an object with fields "
-                                      f"{sorted(sub_known)}, got {value!r}")
+                    raise ConfigError(
+                        f"{where}: {key} must be an object with fields "
+                        f"{sorted(sub_known)}, got {value!r}"
+                    )
                 data[key] = sub_cls(**value)
         config = cls(**data)
         config.validate(where=where)

@@ -23,7 +23,9 @@ def stream_position_ids(anchor_positions: Tensor, num_streams: int, mode: str) -
     Stream ``j`` (1-based) at anchor ``t`` sits at ``t + j`` ("shifted", the position of the
     token it predicts minus one) or at ``t`` ("anchor").
     """
-    j = torch.arange(1, num_streams + 1, device=anchor_positions.device, dtype=anchor_positions.dtype)
+    j = torch.arange(
+        1, num_streams + 1, device=anchor_positions.device, dtype=anchor_positions.dtype
+    )
     if mode == "shifted":
         return anchor_positions[..., None] + j
     if mode == "anchor":
@@ -64,7 +66,9 @@ def stream_self_mask(num_streams: int, device: torch.device | None = None) -> Te
     return torch.ones(num_streams, num_streams, dtype=torch.bool, device=device).tril()
 
 
-def anchor_main_mask(anchor_positions: Tensor, key_positions: Tensor, key_valid: Tensor | None = None) -> Tensor:
+def anchor_main_mask(
+    anchor_positions: Tensor, key_positions: Tensor, key_valid: Tensor | None = None
+) -> Tensor:
     """``[B, A, P]`` bool: the stream at anchor ``t`` sees main keys at positions ``<= t``.
 
     ``anchor_positions``: ``[B, A]``; ``key_positions``: ``[B, P]`` or ``[P]``;
@@ -111,7 +115,9 @@ def multi_stream_attention(
     return out.reshape(b, h, a, g, d).to(q_streams.dtype)
 
 
-def stream_targets(input_ids: Tensor, labels_valid: Tensor, anchors: Tensor, num_streams: int) -> tuple[Tensor, Tensor]:
+def stream_targets(
+    input_ids: Tensor, labels_valid: Tensor, anchors: Tensor, num_streams: int
+) -> tuple[Tensor, Tensor]:
     """Targets of the streams: stream ``j`` at anchor ``t`` predicts ``x[t + 1 + j]``.
 
     ``input_ids``/``labels_valid``: ``[B, T]``; ``anchors``: ``[B, A]`` positions (may be -1 for

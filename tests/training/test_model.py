@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from tiny import tiny_llama
+
 from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.training.model import SpecStreamModel
 
@@ -54,7 +54,7 @@ def test_stream_j_sees_no_later_stream():
     anchors = torch.tensor([[4]])
     with torch.no_grad():
         s1 = model(ids, anchors).stream_hidden
-        model.stream_embeddings[2].add_(3.0)   # stream 3 changes
+        model.stream_embeddings[2].add_(3.0)  # stream 3 changes
         s2 = model(ids, anchors).stream_hidden
     torch.testing.assert_close(s1[..., :2, :], s2[..., :2, :], atol=0, rtol=0)
     assert not torch.allclose(s1[..., 2, :], s2[..., 2, :])
@@ -77,7 +77,9 @@ def test_batched_anchors_equal_one_anchor_at_a_time(stream_position):
     with torch.no_grad():
         batched = model(ids, anchors).stream_hidden[0]
     for t in range(11):
-        torch.testing.assert_close(batched[t], naive_streams(model, ids, t)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            batched[t], naive_streams(model, ids, t)[0], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_right_padding_does_not_change_results():

@@ -23,8 +23,12 @@ def naive_msa(q, k_main, v_main, k_s, v_s, anchor_pos, scale):
             for ai in range(a):
                 t = int(anchor_pos[bi, ai])
                 for j in range(g):
-                    keys = [k_main[bi, kv, p] for p in range(t + 1)] + [k_s[bi, kv, ai, i] for i in range(j + 1)]
-                    vals = [v_main[bi, kv, p] for p in range(t + 1)] + [v_s[bi, kv, ai, i] for i in range(j + 1)]
+                    keys = [k_main[bi, kv, p] for p in range(t + 1)] + [
+                        k_s[bi, kv, ai, i] for i in range(j + 1)
+                    ]
+                    vals = [v_main[bi, kv, p] for p in range(t + 1)] + [
+                        v_s[bi, kv, ai, i] for i in range(j + 1)
+                    ]
                     scores = torch.stack([q[bi, hi, ai, j] @ kk for kk in keys]) * scale
                     w = torch.softmax(scores, dim=0)
                     out[bi, hi, ai, j] = sum(wi * vi for wi, vi in zip(w, vals))

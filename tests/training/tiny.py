@@ -5,14 +5,25 @@ from __future__ import annotations
 import torch
 
 
-def tiny_llama(model_type: str = "llama", seed: int = 0, layers: int = 4, vocab: int = 128,
-               dtype=torch.float32):
+def tiny_llama(
+    model_type: str = "llama", seed: int = 0, layers: int = 4, vocab: int = 128, dtype=torch.float32
+):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     config = AutoConfig.for_model(model_type, **kw)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Random init is tiny; scale weights so that logits are far from ties.

@@ -31,8 +31,9 @@ def test_tokenizer_and_chat_template(base_model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base_model_dir)
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in text
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
 

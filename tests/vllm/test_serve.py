@@ -7,7 +7,6 @@ import time
 import urllib.request
 
 import pytest
-
 from helpers import free_port, venv_script
 
 pytestmark = [pytest.mark.serve, pytest.mark.model]
@@ -20,12 +19,26 @@ def _get(url: str, timeout: float = 5):
 
 def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed after the server stops)
     proc = subprocess.Popen(
-        [venv_script("vllm"), "serve", str(base_model_dir), "--port", str(port),
-         "--host", "127.0.0.1", "--max-model-len", "512", "--enforce-eager",
-         "--gpu-memory-utilization", "0.3", "--served-model-name", "smol"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            venv_script("vllm"),
+            "serve",
+            str(base_model_dir),
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--served-model-name",
+            "smol",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 300
@@ -38,10 +51,19 @@ def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
                 pass
             assert time.monotonic() < deadline, "server did not become healthy in 300 s"
             time.sleep(2)
-        body = json.dumps({"model": "smol", "prompt": "The capital of France is",
-                           "max_tokens": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": "smol",
+                "prompt": "The capital of France is",
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             answer = json.loads(r.read())
         assert answer["choices"][0]["text"].strip()

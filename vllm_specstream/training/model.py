@@ -22,7 +22,6 @@ from torch import nn
 
 from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.stream_math import (
-    anchor_main_mask,
     apply_rope,
     init_streams,
     multi_stream_attention,
@@ -83,7 +82,9 @@ class SpecStreamModel(nn.Module):
         self.prune_layer = config.prune_layer(self.num_layers)
         h = hf_config.hidden_size
         dtype = causal_lm.get_input_embeddings().weight.dtype
-        self.stream_embeddings = nn.Parameter(torch.randn(config.num_streams, h, dtype=dtype) * stream_init_std)
+        self.stream_embeddings = nn.Parameter(
+            torch.randn(config.num_streams, h, dtype=dtype) * stream_init_std
+        )
         if config.init_rank > 0:
             self.init_a = nn.Parameter(torch.randn(config.init_rank, h, dtype=dtype) * h**-0.5)
             self.init_b = nn.Parameter(torch.zeros(h, config.init_rank, dtype=dtype))
@@ -114,46 +115,79 @@ class SpecStreamModel(nn.Module):
 
     # -- one decoder layer, main and streams --------------------------------------------------
     @staticmethod
-    def _qkv(attn: nn.Module, x: Tensor, n_heads: int, n_kv: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(
+        attn: nn.Module, x: Tensor, n_heads: int, n_kv: int, d: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
         lead = x.shape[:-1]
         q = attn.q_proj(x).view(*lead, n_heads, d)
         k = attn.k_proj(x).view(*lead, n_kv, d)
         v = attn.v_proj(x).view(*lead, n_kv, d)
         return q, k, v
 
-    def _main_layer(self, layer, h: Tensor, cos: Tensor, sin: Tensor, attn_mask: Tensor,
-                    cache: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+    def _main_layer(
+        self,
+        layer,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        attn_mask: Tensor,
+        cache: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Main stream through ``layer``; returns (h, K, V) with K/V over all cached positions."""
         attn, cfg = layer.self_attn, self.causal_lm.config
         n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         x = layer.input_layernorm(h)
-        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)          # [B, T, *, D]
+        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)  # [B, T, *, D]
         q = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None])
         k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
         v = v.transpose(1, 2)
         if cache is not None:
             k = torch.cat((cache[0], k), dim=2)
             v = torch.cat((cache[1], v), dim=2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask[:, None], scale=attn.scaling,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask[:, None], scale=attn.scaling, enable_gqa=True
+        )
         h = h + attn.o_proj(o.transpose(1, 2).reshape(*h.shape[:-1], n_heads * d))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h, k, v
 
-    def _stream_layer(self, layer, s: Tensor, cos: Tensor, sin: Tensor, k_main: Tensor, v_main: Tensor,
-                      main_mask: Tensor) -> Tensor:
+    def _stream_layer(
+        self,
+        layer,
+        s: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_main: Tensor,
+        v_main: Tensor,
+        main_mask: Tensor,
+    ) -> Tensor:
         """Streams ``[B, A, G, h]`` through ``layer`` with multi-stream attention."""
         attn, cfg = layer.self_attn, self.causal_lm.config
         n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         x = layer.input_layernorm(s)
-        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)          # [B, A, G, *, D]
-        perm = (0, 3, 1, 2, 4)                                   # -> [B, *, A, G, D]
+        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)  # [B, A, G, *, D]
+        perm = (0, 3, 1, 2, 4)  # -> [B, *, A, G, D]
         q = apply_rope(q.permute(perm), cos[:, None], sin[:, None])
         k = apply_rope(k.permute(perm), cos[:, None], sin[:, None])
         o = multi_stream_attention(q, k_main, v_main, k, v.permute(perm), main_mask, attn.scaling)
         s = s + attn.o_proj(o.permute(0, 2, 3, 1, 4).reshape(*s.shape[:-1], n_heads * d))
         s = s + layer.mlp(layer.post_attention_layernorm(s))
         return s
+
+    def _enter_streams(self, h: Tensor, anchors: Tensor, positions: Tensor, attn_mask: Tensor):
+        """Stream states at the anchors entering layer L0, their rotary tables and main mask."""
+        b, g = h.shape[0], self.config.num_streams
+        idx = anchors.clamp(min=0)
+        m = torch.gather(h, 1, idx[..., None].expand(-1, -1, h.shape[-1]))
+        s = init_streams(m, self.stream_embeddings, self.init_a, self.init_b)
+        anchor_pos = torch.gather(positions, 1, idx)
+        spos = stream_position_ids(anchor_pos, g, self.config.stream_position)
+        cos, sin = self.decoder.rotary_emb(h, spos.flatten(1))
+        cos, sin = cos.view(b, -1, g, cos.shape[-1]), sin.view(b, -1, g, sin.shape[-1])
+        # A stream sees exactly the main keys its anchor's main token sees; padding anchors none.
+        main_mask = torch.gather(attn_mask, 1, idx[..., None].expand(-1, -1, attn_mask.shape[2]))
+        main_mask = main_mask & (anchors >= 0)[..., None]
+        return s, cos, sin, main_mask
 
     # -- the forward --------------------------------------------------------------------------
     def forward(
@@ -163,6 +197,8 @@ class SpecStreamModel(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | None = None,
         use_cache: bool = False,
+        positions: Tensor | None = None,
+        new_mask: Tensor | None = None,
     ) -> StreamOutput:
         """Main stream for ``input_ids`` ``[B, T]`` and streams at ``anchors`` ``[B, A]``.
 
@@ -170,39 +206,36 @@ class SpecStreamModel(nn.Module):
         ``attention_mask`` ``[B, T]`` marks real tokens (right padding only). With
         ``cache`` (from a previous call with ``use_cache=True``) the inputs continue the
         cached sequence; positions continue from the cache length (batch of 1 or equal lengths).
+        For tree verification, ``positions`` ``[B, T]`` and ``new_mask`` ``[B, T, T]`` (which new
+        tokens each new token sees, itself included) replace the causal defaults. The stream
+        at an anchor sees exactly the main keys that the main token at the anchor sees.
         """
         b, t = input_ids.shape
         past = 0 if cache is None else cache[0][0].shape[2]
         device = input_ids.device
-        positions = torch.arange(past, past + t, device=device).expand(b, t)
-        key_pos = torch.arange(past + t, device=device)
+        if positions is None:
+            positions = torch.arange(past, past + t, device=device).expand(b, t)
+        if new_mask is None:
+            new_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
         key_valid = torch.ones(b, past + t, dtype=torch.bool, device=device)
         if attention_mask is not None:
             key_valid[:, past:] = attention_mask.bool()
-        # Main: causal over all keys so far, no padding keys.
-        attn_mask = (key_pos[None, None, :] <= positions[:, :, None]) & key_valid[:, None, :]
+        # Main: all cached keys, the allowed new keys (causal by default), no padding keys.
+        seen_past = torch.ones(b, t, past, dtype=torch.bool, device=device)
+        attn_mask = torch.cat((seen_past, new_mask), dim=2) & key_valid[:, None, :]
         decoder = self.decoder
         h = decoder.embed_tokens(input_ids)
         cos, sin = decoder.rotary_emb(h, positions)
-        s = s_cos = s_sin = main_mask = anchor_pos = prune_input = None
+        s = s_cos = s_sin = main_mask = prune_input = None
         new_cache: KVCache = []
         for i, layer in enumerate(decoder.layers):
             if i == self.prune_layer:
                 prune_input = h
-            if i == self.first_msa_layer:
-                if anchors is not None:
-                    idx = anchors.clamp(min=0)
-                    anchor_pos = torch.gather(positions, 1, idx).masked_fill(anchors < 0, -1)
-                    m = torch.gather(h, 1, idx[..., None].expand(-1, -1, h.shape[-1]))
-                    s = init_streams(m, self.stream_embeddings, self.init_a, self.init_b)
-                    spos = stream_position_ids(anchor_pos.clamp(min=0), self.config.num_streams,
-                                               self.config.stream_position)
-                    s_cos, s_sin = decoder.rotary_emb(h, spos.flatten(1))
-                    g = self.config.num_streams
-                    s_cos = s_cos.view(b, -1, g, s_cos.shape[-1])
-                    s_sin = s_sin.view(b, -1, g, s_sin.shape[-1])
-                    main_mask = anchor_main_mask(anchor_pos, key_pos, key_valid)
-            h, k, v = self._main_layer(layer, h, cos, sin, attn_mask, None if cache is None else cache[i])
+            if i == self.first_msa_layer and anchors is not None:
+                s, s_cos, s_sin, main_mask = self._enter_streams(h, anchors, positions, attn_mask)
+            h, k, v = self._main_layer(
+                layer, h, cos, sin, attn_mask, None if cache is None else cache[i]
+            )
             if use_cache:
                 new_cache.append((k, v))
             if s is not None:

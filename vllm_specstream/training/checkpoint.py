@@ -1,0 +1,280 @@
+"""Adapter and merged checkpoints (SPEC section 3): build, save, load with checks, merge.
+
+Adapter checkpoint (what ``specstream train`` writes)::
+
+    specstream_config.json  adapter_config.json  adapter_model.safetensors  specstream.safetensors
+
+Merged checkpoint (``specstream export --merge``, what vLLM loads): the base model's files
+with LoRA merged into the weights, ``specstream.safetensors`` holding the stream tensors
+under ``specstream.*`` names, and ``config.json`` with ``architectures:
+["SpecStreamForCausalLM"]`` plus a ``specstream`` section (the config fields and
+``base_architectures``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_specstream.config import CONFIG_FILE, ConfigError, SpecStreamConfig
+from vllm_specstream.training.model import SpecStreamModel, check_supported
+
+STREAM_FILE = "specstream.safetensors"
+#: Prefix of the stream tensors inside a merged checkpoint.
+MERGED_PREFIX = "specstream."
+MERGED_ARCHITECTURE = "SpecStreamForCausalLM"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+@dataclass
+class LoraSettings:
+    """LoRA on the base model (PEFT)."""
+
+    rank: int = 32
+    """LoRA rank r."""
+    alpha: float | None = None
+    """LoRA alpha; None means 2 * rank."""
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """Linear modules of each decoder layer that get LoRA."""
+    layers: str = "all"
+    """"all" decoder layers, "msa" (the top num_msa_layers only: cheaper backward), or a
+    comma-separated list of layer indices."""
+    dropout: float = 0.0
+
+
+def lora_layer_indices(layers: str, num_layers: int, num_msa_layers: int) -> list[int] | None:
+    if layers == "all":
+        return None
+    if layers == "msa":
+        return list(range(num_layers - num_msa_layers, num_layers))
+    try:
+        return sorted({int(x) for x in layers.split(",")})
+    except ValueError as e:
+        raise ConfigError(
+            f"--lora-layers: expected 'all', 'msa' or indices like '20,21', got {layers!r}"
+        ) from e
+
+
+def load_base_lm(base: str | Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(base)
+    check_supported(hf_config, where=f"{base}/config.json")
+    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+
+
+def build_model(
+    base: str | Path,
+    config: SpecStreamConfig,
+    lora: LoraSettings | None,
+    dtype: torch.dtype = torch.float32,
+    stream_init_std: float = 0.02,
+) -> SpecStreamModel:
+    """A trainable SpecStreamModel: base weights frozen, LoRA (if any) and streams trainable."""
+    lm = load_base_lm(base, dtype)
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        n = lm.config.num_hidden_layers
+        peft_config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha or 2 * lora.rank,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            layers_to_transform=lora_layer_indices(lora.layers, n, config.num_msa_layers),
+            task_type="CAUSAL_LM",
+        )
+        lm = get_peft_model(lm, peft_config)
+    config.base_model = str(base)
+    return SpecStreamModel(lm, config, stream_init_std=stream_init_std)
+
+
+def save_adapter(model: SpecStreamModel, out_dir: str | Path) -> Path:
+    """Write the adapter checkpoint files into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save(out)
+    if hasattr(model.lm, "save_pretrained") and hasattr(model.lm, "peft_config"):
+        model.lm.save_pretrained(str(out))
+    tensors = {k: v.detach().float().contiguous() for k, v in model.stream_parameters().items()}
+    save_file(tensors, str(out / STREAM_FILE), metadata={"format": "pt"})
+    return out
+
+
+def expected_stream_shapes(
+    config: SpecStreamConfig, hidden_size: int
+) -> dict[str, tuple[int, ...]]:
+    shapes = {"stream_embeddings": (config.num_streams, hidden_size)}
+    if config.init_rank > 0:
+        shapes["init_a"] = (config.init_rank, hidden_size)
+        shapes["init_b"] = (hidden_size, config.init_rank)
+    if config.prune.enabled:
+        shapes["prune_a"] = (config.prune.rank, hidden_size)
+        shapes["prune_b"] = (hidden_size, config.prune.rank)
+    return shapes
+
+
+def check_stream_tensors(
+    tensors: dict[str, torch.Tensor], config: SpecStreamConfig, hidden_size: int, where: str
+) -> None:
+    """Names and shapes of the stream tensors must match the config exactly."""
+    expected = expected_stream_shapes(config, hidden_size)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ConfigError(
+            f"{where}: missing stream tensor(s) {missing} (config: num_streams="
+            f"{config.num_streams}, init_rank={config.init_rank}, prune.enabled="
+            f"{config.prune.enabled})"
+        )
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ConfigError(
+            f"{where}: unexpected tensor(s) {unexpected}; expected {sorted(expected)}"
+        )
+    for name, shape in expected.items():
+        got = tuple(tensors[name].shape)
+        if got != shape:
+            hint = (
+                f" (the model's hidden size is {hidden_size})"
+                if got[-1] != shape[-1] or got[0] != shape[0]
+                else ""
+            )
+            raise ConfigError(
+                f"{where}: tensor {name} has shape {list(got)}, expected {list(shape)}{hint}"
+            )
+
+
+def load_adapter(
+    adapter_dir: str | Path, base: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> SpecStreamModel:
+    """Load an adapter checkpoint onto its base model (``base`` overrides the recorded one)."""
+    adapter_dir = Path(adapter_dir)
+    config = SpecStreamConfig.load(adapter_dir)
+    base = base or config.base_model
+    if base is None:
+        raise ConfigError(
+            f"{adapter_dir / CONFIG_FILE}: base_model is not set; pass the base model path"
+        )
+    stream_file = adapter_dir / STREAM_FILE
+    if not stream_file.is_file():
+        raise ConfigError(f"{stream_file}: missing; the adapter has no stream tensors")
+    lm = load_base_lm(base, dtype)
+    check_stream_tensors(
+        load_file(str(stream_file)), config, lm.config.hidden_size, str(stream_file)
+    )
+    if (adapter_dir / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        lm = PeftModel.from_pretrained(lm, str(adapter_dir))
+    model = SpecStreamModel(lm, config)
+    load_stream_tensors(model, load_file(str(stream_file)))
+    return model.eval()
+
+
+def load_stream_tensors(model: SpecStreamModel, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in model.stream_parameters().items():
+            param.copy_(tensors[name].to(param.dtype))
+
+
+def export_merged(
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    base: str | Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
+    """Write a merged checkpoint that vLLM loads with the specstream plugin."""
+    model = load_adapter(adapter_dir, base=base, dtype=torch.float32)
+    lm = model.lm.merge_and_unload() if hasattr(model.lm, "merge_and_unload") else model.lm
+    base_dir = Path(base or model.config.base_model)
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    lm = lm.to(dtype)
+    lm.config.dtype = dtype
+    lm.save_pretrained(str(tmp), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, tmp / name)
+    tensors = {
+        MERGED_PREFIX + k: v.detach().to(dtype).contiguous()
+        for k, v in model.stream_parameters().items()
+    }
+    save_file(tensors, str(tmp / STREAM_FILE), metadata={"format": "pt"})
+    config_path = tmp / "config.json"
+    hf_config = json.loads(config_path.read_text())
+    section = model.config.to_dict()
+    section.pop("loss", None)
+    section["base_architectures"] = hf_config.get("architectures", [])
+    hf_config["architectures"] = [MERGED_ARCHITECTURE]
+    hf_config["specstream"] = section
+    config_path.write_text(json.dumps(hf_config, indent=2) + "\n")
+    index = tmp / "model.safetensors.index.json"
+    if index.is_file():  # sharded: vLLM loads only what the index lists
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: STREAM_FILE for name in tensors})
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
+def read_merged_config(ckpt: str | Path) -> tuple[dict, SpecStreamConfig]:
+    """``config.json`` of a merged checkpoint and its specstream section, checked."""
+    path = Path(ckpt) / "config.json"
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from e
+    if "specstream" not in hf_config:
+        raise ConfigError(
+            f"{path}: no 'specstream' section; not a merged specstream checkpoint "
+            f"(export one with `specstream export ADAPTER OUT --merge`)"
+        )
+    section = dict(hf_config["specstream"])
+    base_arch = section.pop("base_architectures", None)
+    if not base_arch:
+        raise ConfigError(f"{path}: specstream.base_architectures is missing")
+    return hf_config, SpecStreamConfig.from_dict(section, where=f"{path} (specstream)")
+
+
+def load_merged(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> SpecStreamModel:
+    """Load a merged checkpoint into a SpecStreamModel (for the reference decoder and eval)."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = Path(ckpt)
+    hf_config, config = read_merged_config(ckpt)
+    stream_file = ckpt / STREAM_FILE
+    if not stream_file.is_file():
+        raise ConfigError(f"{stream_file}: missing; the merged checkpoint has no stream tensors")
+    raw = load_file(str(stream_file))
+    tensors = {k[len(MERGED_PREFIX) :]: v for k, v in raw.items() if k.startswith(MERGED_PREFIX)}
+    check_stream_tensors(tensors, config, hf_config["hidden_size"], str(stream_file))
+    lm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+    model = SpecStreamModel(lm, config)
+    load_stream_tensors(model, tensors)
+    return model.eval()

@@ -1,0 +1,152 @@
+"""Training data: read chat examples from JSONL and tokenise them with a completion mask.
+
+Three record shapes are accepted, one JSON object per line:
+
+* ``{"prompt": str, "completion": str}`` - the prompt becomes one user message;
+* ``{"messages": [...]}`` - the last message must be the assistant reply to learn;
+* ``{"context": str, "question": str, "answer": str}`` - sql-create-context records,
+  rendered with :func:`sql_example`.
+
+Nothing here imports torch or transformers; a tokenizer is passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SQL_FIELDS = ("context", "question", "answer")
+PROMPT_FIELDS = ("prompt", "completion")
+
+
+@dataclass(frozen=True)
+class ChatExample:
+    """One supervised example: the chat so far and the assistant reply to learn."""
+
+    messages: list[dict]  # chat messages ending with the user turn
+    completion: str  # the assistant reply to learn
+
+
+def user_example(prompt: str, completion: str) -> ChatExample:
+    """A single-user-turn example."""
+    return ChatExample(messages=[{"role": "user", "content": prompt}], completion=completion)
+
+
+def sql_example(context: str, question: str, answer: str) -> ChatExample:
+    """The SQL prompt format shared by training and evaluators: the schema, then the question."""
+    return user_example(f"{context}\nQuestion: {question}", answer)
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+def _string_field(record: dict, field: str, where: str, *, nonempty: bool = False) -> str:
+    if field not in record:
+        raise ValueError(f"{where}: missing field {field!r}")
+    value = record[field]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+    if nonempty and not value.strip():
+        raise ValueError(f"{where}: empty {field!r}")
+    return value
+
+
+def _from_messages(record: dict, where: str) -> ChatExample:
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: field 'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        at = f"{where}: messages[{i}]"
+        if not isinstance(message, dict):
+            raise ValueError(f"{at} must be an object")
+        _string_field(message, "role", at)
+        _string_field(message, "content", at)
+    last = messages[-1]
+    if last["role"] != "assistant":
+        raise ValueError(
+            f"{where}: field 'messages': last message must have role 'assistant', "
+            f"got {last['role']!r}"
+        )
+    if not last["content"].strip():
+        raise ValueError(f"{where}: field 'messages': empty assistant 'content'")
+    if len(messages) < 2:
+        raise ValueError(f"{where}: field 'messages': no prompt before the assistant reply")
+    prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
+    return ChatExample(messages=prompt, completion=last["content"])
+
+
+def parse_record(record: Any, where: str) -> ChatExample:
+    """Turn one decoded JSONL record into a :class:`ChatExample`; ``where`` prefixes errors."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        return _from_messages(record, where)
+    if any(field in record for field in SQL_FIELDS):
+        context, question, answer = (
+            _string_field(record, field, where, nonempty=(field == "answer"))
+            for field in SQL_FIELDS
+        )
+        return sql_example(context, question, answer)
+    if any(field in record for field in PROMPT_FIELDS):
+        prompt = _string_field(record, "prompt", where)
+        completion = _string_field(record, "completion", where, nonempty=True)
+        return user_example(prompt, completion)
+    raise ValueError(
+        f"{where}: unknown record shape with fields {sorted(record)}; expected "
+        "'prompt'+'completion', 'messages', or 'context'+'question'+'answer'"
+    )
+
+
+def load_jsonl(path: str | Path) -> list[ChatExample]:
+    """Read every non-blank line of a JSONL file as a :class:`ChatExample`."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+            examples.append(parse_record(record, where))
+    return examples
+
+
+# --------------------------------------------------------------------------- tokenisation
+
+
+def prompt_text(tokenizer: Any, messages: list[dict]) -> str:
+    """The chat-templated prompt, ending where the assistant's reply starts."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_example(tokenizer: Any, example: ChatExample, max_length: int) -> dict:
+    """Token ids of prompt + completion + eos and a mask that is True on completion tokens.
+
+    Prompt and completion are tokenised separately so the mask boundary is exact. Too-long
+    examples lose prompt tokens from the left (the completion is what is learned); a
+    completion longer than ``max_length`` on its own is cut on the right.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise ValueError("tokenizer has no eos token")
+    prompt_ids = _ids(tokenizer, prompt_text(tokenizer, example.messages))
+    # eos is appended as an id: tokenising its text is not guaranteed to give the special id.
+    completion_ids = _ids(tokenizer, example.completion) + [eos_id]
+    if len(completion_ids) >= max_length:
+        return {"input_ids": completion_ids[:max_length], "labels_mask": [True] * max_length}
+    keep = max_length - len(completion_ids)
+    prompt_ids = prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+    return {
+        "input_ids": prompt_ids + completion_ids,
+        "labels_mask": [False] * len(prompt_ids) + [True] * len(completion_ids),
+    }

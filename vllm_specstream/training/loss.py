@@ -1,0 +1,84 @@
+"""The training objectives: paper eq. 5 (specstream), plain next-token loss (ntp), pruning."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_specstream.stream_math import stream_targets
+from vllm_specstream.training.model import SpecStreamModel
+
+Tensor = torch.Tensor
+
+
+def select_anchors(labels_mask: Tensor, num_streams: int) -> Tensor:
+    """``[B, A]`` anchor positions whose streams have at least one target in the completion.
+
+    Stream ``j`` at ``t`` predicts ``x[t + 1 + j]`` (j = 1..G), so ``t`` is useful when any of
+    ``labels_mask[t + 2 .. t + 1 + G]`` is set. Rows are padded with -1.
+    """
+    b, t = labels_mask.shape
+    useful = torch.zeros_like(labels_mask)
+    for j in range(2, num_streams + 2):
+        useful[:, : t - j] |= labels_mask[:, j:]
+    counts = useful.sum(1)
+    a = max(int(counts.max()), 1)
+    # Stable sort puts useful positions first, in order.
+    order = torch.sort((~useful).int(), dim=1, stable=True).indices[:, :a]
+    keep = torch.arange(a)[None] < counts[:, None]
+    return torch.where(keep, order, torch.full_like(order, -1))
+
+
+def _ce_and_top1(head, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean cross-entropy and top-1 accuracy of ``head(hidden)`` rows against ``targets``."""
+    if targets.numel() == 0:
+        zero = hidden.sum() * 0.0
+        return zero, zero.detach()
+    logits = head(hidden).float()
+    loss = F.cross_entropy(logits, targets)
+    top1 = (logits.argmax(-1) == targets).float().mean()
+    return loss, top1.detach()
+
+
+def main_rows(hidden: Tensor, input_ids: Tensor, labels_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Main-stream rows whose next token is a completion token, and those tokens."""
+    next_valid = labels_mask[:, 1:]
+    return hidden[:, :-1][next_valid], input_ids[:, 1:][next_valid]
+
+
+def specstream_loss(
+    model: SpecStreamModel, batch: dict[str, Tensor], objective: str = "specstream"
+) -> tuple[Tensor, dict[str, float]]:
+    """Loss of one batch and its metrics.
+
+    ``batch``: ``input_ids``, ``attention_mask``, ``labels_mask`` (True on completion tokens),
+    all ``[B, T]``, right-padded. ``objective``: "specstream" (eq. 5) or "ntp" (main only).
+    """
+    cfg = model.config
+    ids, attn, labels = batch["input_ids"], batch["attention_mask"], batch["labels_mask"]
+    anchors = select_anchors(labels, cfg.num_streams) if objective == "specstream" else None
+    out = model(ids, anchors=anchors, attention_mask=attn)
+    hidden, targets = main_rows(out.main_hidden, ids, labels)
+    main_loss, main_top1 = _ce_and_top1(model.lm_head, hidden, targets)
+    loss = cfg.loss.a0 * main_loss
+    metrics = {"loss_main": float(main_loss), "top1_main": float(main_top1)}
+    if anchors is not None:
+        s_targets, s_valid = stream_targets(ids, labels, anchors, cfg.num_streams)
+        for j, weight in enumerate(cfg.loss.stream_weights(cfg.num_streams)):
+            valid = s_valid[:, :, j]
+            s_loss, s_top1 = _ce_and_top1(
+                model.lm_head, out.stream_hidden[:, :, j][valid], s_targets[:, :, j][valid]
+            )
+            loss = loss + weight * s_loss
+            metrics[f"loss_stream{j + 1}"] = float(s_loss)
+            metrics[f"top1_stream{j + 1}"] = float(s_top1)
+    if model.prune_a is not None:
+        # The pruning adapter learns next-token prediction from layer Lp alone; detaching keeps
+        # its loss from moving the LoRA weights below it.
+        prune_hidden, _ = main_rows(out.prune_input.detach(), ids, labels)
+        p_loss, p_top1 = _ce_and_top1(model.prune_logits, prune_hidden, targets)
+        loss = loss + p_loss
+        metrics["loss_prune"] = float(p_loss)
+        metrics["top1_prune"] = float(p_top1)
+    metrics["loss"] = float(loss)
+    return loss, metrics
