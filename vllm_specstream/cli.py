@@ -85,6 +85,172 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if found and vllm_ok == "supported" and plugins else 1
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from vllm_specstream.config import LossConfig, PruneConfig, SpecStreamConfig
+    from vllm_specstream.training.checkpoint import LoraSettings
+    from vllm_specstream.training.train import TrainArgs, train
+
+    base = args.base
+    if base is None:
+        from vllm_specstream.base_model import prepare_base
+
+        base = str(prepare_base())
+    spec = SpecStreamConfig(
+        num_streams=args.num_streams,
+        num_msa_layers=args.num_msa_layers,
+        stream_position=args.stream_position,
+        init_rank=args.init_rank,
+        prune=PruneConfig(enabled=args.prune, rank=args.prune_rank, threshold=args.prune_threshold),
+        loss=LossConfig(a0=args.a0, a_j=args.a_j),
+    )
+    lora = (
+        None
+        if args.lora_rank == 0
+        else LoraSettings(
+            rank=args.lora_rank,
+            layers=args.lora_layers,
+            target_modules=args.lora_targets.split(","),
+        )
+    )
+    train_args = TrainArgs(
+        base=base,
+        out=args.out,
+        task=args.task,
+        data=args.data,
+        eval_data=args.eval_data,
+        objective=args.objective,
+        spec=spec,
+        lora=lora,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        stream_lr=args.stream_lr,
+        stream_init_std=args.stream_init_std,
+        warmup_steps=args.warmup_steps,
+        max_length=args.max_length,
+        num_train=args.num_train,
+        num_eval=args.num_eval,
+        dtype=args.dtype,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+        seed=args.seed,
+    )
+    train(train_args)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from vllm_specstream.training.checkpoint import export_merged
+
+    if not args.merge:
+        print(
+            "specstream export: error: only --merge is implemented (vLLM loads merged checkpoints)",
+            file=sys.stderr,
+        )
+        return 2
+    out = export_merged(args.adapter_dir, args.out_dir, base=args.base)
+    print(f"Merged checkpoint written: {out}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from vllm_specstream.training.evaluate import eval_cases, evaluate_checkpoint, load_any
+
+    model = load_any(args.checkpoint, base=args.base)
+    tokenizer = AutoTokenizer.from_pretrained(
+        args.base or model.config.base_model or args.checkpoint
+    )
+    cases = eval_cases(args.task, args.prompts, args.n, args.seed)
+    result = evaluate_checkpoint(
+        model, tokenizer, args.task, cases, args.max_new_tokens, args.tree_top_k
+    )
+    result["checkpoint"] = str(args.checkpoint)
+    print(json.dumps(result))
+    return 0
+
+
+def _add_training_parsers(sub) -> None:
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser(
+        "train",
+        help="fine-tune LoRA + stream embeddings (or plain LoRA) on a task",
+        description="Train an adapter checkpoint (SPEC section 3) with the multi-stream objective "
+        "(paper eq. 5) or plain next-token loss. Saves every --save-every steps to OUT/checkpoint "
+        "and resumes from there when run again with the same --out.",
+        formatter_class=defaults,
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--base", help="base model dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--task", default="sql", choices=["sql", "code", "text"], help="built-in task")
+    p.add_argument("--data", help="training JSONL instead of the built-in task")
+    p.add_argument("--eval-data", help="held-out JSONL (default: the built-in task's test split)")
+    p.add_argument("--objective", default="specstream", choices=["specstream", "ntp"])
+    p.add_argument("--num-streams", type=int, default=4, help="gamma")
+    p.add_argument("--num-msa-layers", type=int, default=6, help="N_s")
+    p.add_argument("--stream-position", default="shifted", choices=["shifted", "anchor"])
+    p.add_argument("--init-rank", type=int, default=0, help="eta (0 = identity init)")
+    p.add_argument("--prune", action="store_true", help="also train the tree-pruning adapter")
+    p.add_argument("--prune-rank", type=int, default=8)
+    p.add_argument("--prune-threshold", type=float, default=0.01)
+    p.add_argument("--a0", type=float, default=1.0, help="main-stream loss weight")
+    p.add_argument("--a-j", type=float, default=0.1, help="stream loss weight")
+    p.add_argument("--lora-rank", type=int, default=32, help="0 = no LoRA (streams only)")
+    p.add_argument("--lora-layers", default="all", help="all, msa, or indices like 24,25")
+    p.add_argument(
+        "--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    )
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--stream-lr", type=float, default=2e-2)
+    p.add_argument("--stream-init-std", type=float, default=0.02)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--num-train", type=int, help="built-in task records to generate")
+    p.add_argument("--num-eval", type=int, default=64)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "export",
+        help="merge an adapter into its base: the checkpoint vLLM serves",
+        description="Write a merged checkpoint: LoRA merged into the base weights, the stream "
+        "tensors in specstream.safetensors, config.json with architectures "
+        "['SpecStreamForCausalLM'] and a 'specstream' section.",
+    )
+    p.add_argument("adapter_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--merge", action="store_true", help="merge LoRA into the weights (required)")
+    p.add_argument("--base", help="base model dir (default: the one recorded in the adapter)")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "eval",
+        help="tokens/step (reference decoder, chain and tree) and task quality",
+        description="Greedy-decode held-out prompts with the reference speculative-streaming "
+        "decoder (chain and tree) and print, as the last line, one JSON object with "
+        "tokens_per_step, the task metric (exact_match for sql, rouge_l otherwise) and "
+        "extra_params.",
+        formatter_class=defaults,
+    )
+    p.add_argument("--checkpoint", required=True, help="adapter or merged checkpoint")
+    p.add_argument("--task", default="sql", choices=["sql", "code", "text"])
+    p.add_argument("--prompts", help="JSONL of prompts (sql: context/question/answer records)")
+    p.add_argument("--base", help="base model dir for an adapter (default: the recorded one)")
+    p.add_argument("-n", "--n", type=int, default=50, help="number of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--tree-top-k", type=int, default=2, help="candidates per stream in tree mode")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specstream",
@@ -127,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--bin-dir", metavar="DIR", help="scripts directory (default: this environment's)"
     )
     p.set_defaults(func=_cmd_install_vllm_cli)
+    _add_training_parsers(sub)
 
     p = sub.add_parser(
         "doctor",

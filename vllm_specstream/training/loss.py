@@ -61,7 +61,7 @@ def specstream_loss(
     hidden, targets = main_rows(out.main_hidden, ids, labels)
     main_loss, main_top1 = _ce_and_top1(model.lm_head, hidden, targets)
     loss = cfg.loss.a0 * main_loss
-    metrics = {"loss_main": float(main_loss), "top1_main": float(main_top1)}
+    metrics = {"loss_main": float(main_loss.detach()), "top1_main": float(main_top1)}
     if anchors is not None:
         s_targets, s_valid = stream_targets(ids, labels, anchors, cfg.num_streams)
         for j, weight in enumerate(cfg.loss.stream_weights(cfg.num_streams)):
@@ -70,7 +70,7 @@ def specstream_loss(
                 model.lm_head, out.stream_hidden[:, :, j][valid], s_targets[:, :, j][valid]
             )
             loss = loss + weight * s_loss
-            metrics[f"loss_stream{j + 1}"] = float(s_loss)
+            metrics[f"loss_stream{j + 1}"] = float(s_loss.detach())
             metrics[f"top1_stream{j + 1}"] = float(s_top1)
     if model.prune_a is not None:
         # The pruning adapter learns next-token prediction from layer Lp alone; detaching keeps
@@ -78,7 +78,7 @@ def specstream_loss(
         prune_hidden, _ = main_rows(out.prune_input.detach(), ids, labels)
         p_loss, p_top1 = _ce_and_top1(model.prune_logits, prune_hidden, targets)
         loss = loss + p_loss
-        metrics["loss_prune"] = float(p_loss)
+        metrics["loss_prune"] = float(p_loss.detach())
         metrics["top1_prune"] = float(p_top1)
-    metrics["loss"] = float(loss)
+    metrics["loss"] = float(loss.detach())
     return loss, metrics

@@ -1,0 +1,154 @@
+"""Adapter save/load/merge round trip, and every malformed checkpoint gets a clear error."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny import tiny_llama
+from vllm_specstream.config import ConfigError, PruneConfig, SpecStreamConfig
+from vllm_specstream.training.checkpoint import (
+    STREAM_FILE,
+    LoraSettings,
+    build_model,
+    export_merged,
+    load_adapter,
+    load_merged,
+    save_adapter,
+)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    tiny_llama().save_pretrained(d)
+    return d
+
+
+def trained(base_dir, **cfg):
+    config = SpecStreamConfig(num_streams=3, num_msa_layers=2, init_rank=2,
+                              prune=PruneConfig(enabled=True, rank=4), **cfg)
+    torch.manual_seed(0)
+    model = build_model(base_dir, config, LoraSettings(rank=4), stream_init_std=0.5)
+    with torch.no_grad():  # pretend training moved everything away from its init
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def outputs(model, ids):
+    with torch.no_grad():
+        out = model(ids, anchors=torch.tensor([[2, 5, 7]]))
+        return model.lm_head(out.main_hidden), model.lm_head(out.stream_hidden), model.prune_logits(out.prune_input)
+
+
+def test_only_trainable_parameters_get_gradients(base_dir):
+    model = trained(base_dir)
+    model.train()
+    ids = torch.randint(3, 128, (2, 10))
+    from vllm_specstream.training.loss import specstream_loss
+
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+             "labels_mask": torch.tensor([[False] * 4 + [True] * 6] * 2)}
+    loss, metrics = specstream_loss(model, batch)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"stream_embeddings", "init_a", "init_b", "prune_a", "prune_b"} <= trainable
+    assert all("lora_" in n for n in trainable - {"stream_embeddings", "init_a", "init_b", "prune_a", "prune_b"})
+    assert {"loss_stream1", "top1_stream3", "loss_prune"} <= set(metrics)
+
+
+def test_save_load_merge_round_trip(base_dir, tmp_path):
+    model = trained(base_dir)
+    ids = torch.randint(3, 128, (1, 9))
+    want = outputs(model, ids)
+    save_adapter(model, tmp_path / "adapter")
+    files = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"specstream_config.json", "adapter_config.json", "adapter_model.safetensors", STREAM_FILE} <= files
+    loaded = load_adapter(tmp_path / "adapter")
+    for a, b in zip(outputs(loaded, ids), want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    merged_dir = export_merged(tmp_path / "adapter", tmp_path / "merged", dtype=torch.float32)
+    config = json.loads((merged_dir / "config.json").read_text())
+    assert config["architectures"] == ["SpecStreamForCausalLM"]
+    assert config["specstream"]["base_architectures"] == ["LlamaForCausalLM"]
+    assert config["specstream"]["num_streams"] == 3
+    assert set(load_file(str(merged_dir / STREAM_FILE))) == {
+        "specstream.stream_embeddings", "specstream.init_a", "specstream.init_b",
+        "specstream.prune_a", "specstream.prune_b"}
+    merged = load_merged(merged_dir)
+    for a, b in zip(outputs(merged, ids), want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # Served without streams, the merged checkpoint is the fine-tuned model.
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, want[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def merged_dir(base_dir, tmp_path):
+    save_adapter(trained(base_dir), tmp_path / "adapter")
+    return export_merged(tmp_path / "adapter", tmp_path / "merged", dtype=torch.float32)
+
+
+def edit_config(d, fn):
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_streams(d, fn):
+    tensors = load_file(str(d / STREAM_FILE))
+    fn(tensors)
+    save_file(tensors, str(d / STREAM_FILE))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: edit_streams(d, lambda t: t.update({"specstream.stream_embeddings": torch.zeros(3, 32)})),
+     r"stream_embeddings has shape \[3, 32\], expected \[3, 64\]"),
+    (lambda d: edit_streams(d, lambda t: t.pop("specstream.stream_embeddings")),
+     r"missing stream tensor\(s\) \['stream_embeddings'\]"),
+    (lambda d: (d / STREAM_FILE).unlink(), "specstream.safetensors: missing"),
+    (lambda d: edit_config(d, lambda c: c["specstream"].update(format_version=99)),
+     "format_version is 99, newer than"),
+    (lambda d: edit_config(d, lambda c: c.pop("specstream")), "no 'specstream' section"),
+    (lambda d: edit_config(d, lambda c: c["specstream"].update(num_streams=5)),
+     r"stream_embeddings has shape \[3, 64\], expected \[5, 64\]"),
+    (lambda d: edit_config(d, lambda c: c["specstream"].update(bogus=1)), r"unknown field\(s\) \['bogus'\]"),
+    (lambda d: edit_config(d, lambda c: c["specstream"].pop("base_architectures")), "base_architectures is missing"),
+])
+def test_malformed_merged_checkpoint(merged_dir, damage, message):
+    damage(merged_dir)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_merged(merged_dir)
+    assert str(merged_dir) in str(err.value)
+
+
+def test_malformed_adapter(base_dir, tmp_path):
+    d = save_adapter(trained(base_dir), tmp_path / "adapter")
+    cfg = json.loads((d / "specstream_config.json").read_text())
+    cfg["num_msa_layers"] = 0
+    (d / "specstream_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"specstream_config.json: num_msa_layers must be an integer >= 1"):
+        load_adapter(d)
+    (d / "specstream_config.json").unlink()
+    with pytest.raises(ConfigError, match="specstream_config.json: missing"):
+        load_adapter(d)
+
+
+def test_unsupported_base_architecture(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=2, vocab_size=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"config.json: model_type 'gpt2' is not supported"):
+        build_model(tmp_path, SpecStreamConfig(num_msa_layers=1), None)

@@ -1,0 +1,306 @@
+"""The training loop: LoRA + stream embeddings (or plain LoRA), with saves, resume and eval."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.logger import init_logger
+from vllm_specstream.training.checkpoint import (
+    LoraSettings,
+    build_model,
+    load_stream_tensors,
+    save_adapter,
+)
+from vllm_specstream.training.loss import specstream_loss
+from vllm_specstream.training.model import SpecStreamModel
+
+logger = init_logger(__name__)
+
+CHECKPOINT_DIR = "checkpoint"
+STATE_FILE = "trainer_state.pt"
+LOG_FILE = "train_log.jsonl"
+OBJECTIVES = ("specstream", "ntp")
+
+
+@dataclass
+class TrainArgs:
+    """Everything one training run depends on (saved as ``train_args.json``)."""
+
+    base: str
+    """Base model checkpoint directory (Hugging Face format)."""
+    out: str
+    """Output directory: the adapter checkpoint, logs, and ``checkpoint/`` for resuming."""
+    task: str | None = "sql"
+    """Built-in task (sql, code, text); ignored when ``data`` is given."""
+    data: str | None = None
+    """Training JSONL (prompt/completion, messages, or sql-create-context records)."""
+    eval_data: str | None = None
+    """Held-out JSONL; default: the built-in task's test split."""
+    objective: str = "specstream"
+    """"specstream" (paper eq. 5) or "ntp" (plain LoRA, the quality baseline)."""
+    spec: SpecStreamConfig = field(default_factory=SpecStreamConfig)
+    lora: LoraSettings | None = field(default_factory=LoraSettings)
+    steps: int = 300
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 2e-4
+    """Learning rate of LoRA (and the small adapters)."""
+    stream_lr: float = 2e-2
+    """Learning rate of the stream embeddings: they must grow to the scale of the residual
+    stream (norm in the hundreds) to make streams differ from the main stream."""
+    stream_init_std: float = 0.02
+    warmup_steps: int = 20
+    max_length: int = 256
+    num_train: int | None = None
+    """Records of the built-in task to generate (default: the task's default)."""
+    num_eval: int = 64
+    dtype: str = "auto"
+    """"bf16" (autocast), "fp32", or "auto" (bf16 where the CPU has native bf16 matmuls)."""
+    save_every: int = 50
+    eval_every: int = 100
+    seed: int = 0
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "fp32":
+        return torch.float32
+    if name == "auto":
+        fast_bf16 = (
+            torch.cuda.is_available()
+            or torch.backends.mkldnn.is_available()
+            and torch.cpu._is_avx512_bf16_supported()
+        )
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    raise ValueError(f"--dtype must be bf16, fp32 or auto, got {name!r}")
+
+
+def load_examples(args: TrainArgs, split: str, n: int | None):
+    from vllm_specstream.training.data import load_jsonl
+    from vllm_specstream.training.tasks import build_task, to_example
+
+    path = args.data if split == "train" else args.eval_data
+    if path:
+        return load_jsonl(path)[:n] if n else load_jsonl(path)
+    if args.data and split == "test":
+        return []
+    return [to_example(args.task, r) for r in build_task(args.task, split, n=n, seed=args.seed)]
+
+
+def collate(encoded: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask``, ``labels_mask``."""
+    t = max(len(e["input_ids"]) for e in encoded)
+    ids = torch.zeros(len(encoded), t, dtype=torch.long)
+    attn = torch.zeros(len(encoded), t, dtype=torch.bool)
+    labels = torch.zeros(len(encoded), t, dtype=torch.bool)
+    for i, e in enumerate(encoded):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        attn[i, :n] = True
+        labels[i, :n] = torch.tensor(e["labels_mask"])
+    return {"input_ids": ids, "attention_mask": attn, "labels_mask": labels}
+
+
+def batch_indices(num_examples: int, batch_size: int, micro_step: int, seed: int) -> list[int]:
+    """Examples of micro-batch ``micro_step``: a fresh permutation per epoch, fixed by ``seed``,
+    so a resumed run sees exactly the batches an uninterrupted one would."""
+    start = micro_step * batch_size
+    out = []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), num_examples)
+        perm = list(range(num_examples))
+        random.Random(seed * 100_003 + epoch).shuffle(perm)
+        out.extend(perm[offset : offset + batch_size - len(out)])
+    return out
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def param_groups(model: SpecStreamModel, args: TrainArgs) -> list[dict]:
+    stream = [model.stream_embeddings]
+    other = [p for n, p in model.named_parameters() if p.requires_grad and n != "stream_embeddings"]
+    groups = [{"params": other, "lr": args.lr, "weight_decay": 0.0}]
+    if args.objective == "specstream":
+        groups.append({"params": stream, "lr": args.stream_lr, "weight_decay": 0.0})
+    return groups
+
+
+@torch.no_grad()
+def evaluate(
+    model: SpecStreamModel, encoded: list[dict], args: TrainArgs, autocast
+) -> dict[str, float]:
+    """Mean loss and per-stream top-1 accuracy over the held-out examples."""
+    model.eval()
+    sums: dict[str, float] = {}
+    batches = 0
+    for i in range(0, len(encoded), args.batch_size):
+        with autocast():
+            _, metrics = specstream_loss(
+                model, collate(encoded[i : i + args.batch_size]), args.objective
+            )
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+        batches += 1
+    model.train()
+    return {f"eval_{k}": v / max(1, batches) for k, v in sums.items()}
+
+
+def _save_checkpoint(model, optimizer, step: int, out: Path) -> None:
+    """Adapter + optimizer state in ``out/checkpoint`` (written aside, then swapped in)."""
+    tmp = out / (CHECKPOINT_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_adapter(model, tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / STATE_FILE)
+    final = out / CHECKPOINT_DIR
+    old = out / (CHECKPOINT_DIR + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.replace(old)
+    tmp.replace(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _resume(model: SpecStreamModel, optimizer, out: Path) -> int:
+    """Load ``out/checkpoint`` if present; return the step to continue from."""
+    ckpt = out / CHECKPOINT_DIR
+    if not (ckpt / STATE_FILE).is_file():
+        return 0
+    from safetensors.torch import load_file
+
+    from vllm_specstream.training.checkpoint import STREAM_FILE
+
+    load_stream_tensors(model, load_file(str(ckpt / STREAM_FILE)))
+    if (ckpt / "adapter_model.safetensors").is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model.lm, load_file(str(ckpt / "adapter_model.safetensors")))
+    state = torch.load(ckpt / STATE_FILE, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    logger.info("Resuming from %s at step %d", ckpt, state["step"])
+    return int(state["step"])
+
+
+def train(args: TrainArgs, progress: bool = True) -> Path:
+    """Run (or resume) training; return the adapter checkpoint directory."""
+    from contextlib import nullcontext
+
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    from vllm_specstream.training.data import encode_example
+
+    if args.objective not in OBJECTIVES:
+        raise ValueError(f"--objective must be one of {OBJECTIVES}, got {args.objective!r}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    dtype = resolve_dtype(args.dtype)
+    autocast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        if dtype == torch.bfloat16
+        else nullcontext
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    train_set = [
+        encode_example(tokenizer, e, args.max_length)
+        for e in load_examples(args, "train", args.num_train)
+    ]
+    eval_set = [
+        encode_example(tokenizer, e, args.max_length)
+        for e in load_examples(args, "test", args.num_eval)
+    ]
+    if not train_set:
+        raise ValueError(f"no training examples (task={args.task!r}, data={args.data!r})")
+    model = build_model(args.base, args.spec, args.lora, torch.float32, args.stream_init_std)
+    model.train()
+    optimizer = torch.optim.AdamW(param_groups(model, args), betas=(0.9, 0.99))
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
+    start = _resume(model, optimizer, out)
+    (out / "train_args.json").write_text(json.dumps(asdict(args), indent=2, default=str) + "\n")
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info(
+        "Training %s on %d examples (%d held out): %d trainable parameters, %s, %d steps x %d x %d",
+        args.objective,
+        len(train_set),
+        len(eval_set),
+        n_trainable,
+        dtype,
+        args.steps,
+        args.batch_size,
+        args.grad_accum,
+    )
+    bar = tqdm(
+        total=args.steps, initial=start, desc=f"train {args.objective}", disable=not progress
+    )
+    log = open(out / LOG_FILE, "a")  # noqa: SIM115 (one handle for the whole run)
+    started = time.monotonic()
+    try:
+        for step in range(start, args.steps):
+            for g, base_lr in zip(optimizer.param_groups, base_lrs):
+                g["lr"] = base_lr * lr_factor(step, args.warmup_steps, args.steps)
+            totals: dict[str, float] = {}
+            for micro in range(args.grad_accum):
+                idx = batch_indices(
+                    len(train_set), args.batch_size, step * args.grad_accum + micro, args.seed
+                )
+                with autocast():
+                    loss, metrics = specstream_loss(
+                        model, collate([train_set[i] for i in idx]), args.objective
+                    )
+                (loss / args.grad_accum).backward()
+                for k, v in metrics.items():
+                    totals[k] = totals.get(k, 0.0) + v / args.grad_accum
+            torch.nn.utils.clip_grad_norm_(
+                [p for g in optimizer.param_groups for p in g["params"]], 1.0
+            )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            record = {
+                "step": step + 1,
+                "lr": optimizer.param_groups[0]["lr"],
+                **totals,
+                "stream_norm": float(model.stream_embeddings.norm(dim=-1).mean()),
+                "elapsed_s": round(time.monotonic() - started, 1),
+            }
+            if eval_set and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+                record.update(evaluate(model, eval_set, args, autocast))
+                logger.info(
+                    "step %d: %s",
+                    step + 1,
+                    {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")},
+                )
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.update()
+            bar.set_postfix(
+                {
+                    k: f"{v:.3f}"
+                    for k, v in totals.items()
+                    if k in ("loss", "top1_main", "top1_stream1")
+                }
+            )
+            if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                _save_checkpoint(model, optimizer, step + 1, out)
+    finally:
+        bar.close()
+        log.close()
+    save_adapter(model, out)
+    _save_checkpoint(model, optimizer, args.steps, out)
+    logger.info("Adapter saved to %s (%.0f s)", out, time.monotonic() - started)
+    return out
