@@ -105,10 +105,11 @@ def multi_stream_attention(
     q = q_streams.reshape(b, kv, rep, a, g, d).float()
     s_main = torch.einsum("bkragd,bkpd->bkragp", q, k_main.float()) * scale
     s_self = torch.einsum("bkragd,bkaid->bkragi", q, k_streams.float()) * scale
-    neg = torch.finfo(torch.float32).min
+    # Under autocast the scores may come back in bf16: mask with that dtype's minimum.
+    neg = torch.finfo(s_main.dtype).min
     s_main = s_main.masked_fill(~main_mask[:, None, None, :, None, :], neg)
     s_self = s_self.masked_fill(~stream_self_mask(g, q.device), neg)
-    p = torch.softmax(torch.cat((s_main, s_self), dim=-1), dim=-1)
+    p = torch.softmax(torch.cat((s_main, s_self), dim=-1).float(), dim=-1)
     p_main, p_self = p.split((s_main.shape[-1], g), dim=-1)
     out = torch.einsum("bkragp,bkpd->bkragd", p_main, v_main.float())
     out = out + torch.einsum("bkragi,bkaid->bkragd", p_self, v_streams.float())

