@@ -119,6 +119,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         data=args.data,
         eval_data=args.eval_data,
         objective=args.objective,
+        medusa_heads=args.medusa_heads,
         spec=spec,
         lora=lora,
         steps=args.steps,
@@ -187,7 +188,8 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--task", default="sql", choices=["sql", "code", "text"], help="built-in task")
     p.add_argument("--data", help="training JSONL instead of the built-in task")
     p.add_argument("--eval-data", help="held-out JSONL (default: the built-in task's test split)")
-    p.add_argument("--objective", default="specstream", choices=["specstream", "ntp"])
+    p.add_argument("--objective", default="specstream", choices=["specstream", "ntp", "medusa"])
+    p.add_argument("--medusa-heads", type=int, default=4, help="heads for --objective medusa")
     p.add_argument("--num-streams", type=int, default=4, help="gamma")
     p.add_argument("--num-msa-layers", type=int, default=6, help="N_s")
     p.add_argument("--stream-position", default="shifted", choices=["shifted", "anchor"])

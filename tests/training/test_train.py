@@ -142,3 +142,29 @@ def test_cli_train_export_eval(tiny_base, tmp_path):
     assert {"chain", "tree"} <= set(result["tokens_per_step"])
     assert "exact_match" in result and result["extra_params"] == 2 * 64
     assert result["chain_tree_identical"] is True
+
+
+def test_medusa_objective_writes_vllm_medusa_checkpoint(tiny_base, tmp_path):
+    args = args_for(tiny_base, tmp_path / "medusa", steps=2)
+    args.objective, args.medusa_heads = "medusa", 3
+    out = train(args, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["num_heads"] == 3
+    assert config["original_lm_head"] is True and config["vocab_size"] == 49152
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == {f"blocks.{j}.layers.0.weight" for j in range(3)} | {"lm_head.weight"}
+    assert tensors["blocks.0.layers.0.weight"].abs().sum() > 0  # trained away from zero init
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert {"loss_head1", "top1_head3"} <= set(log[-1])
+
+
+def test_zero_initialised_medusa_head_copies_the_next_token_head():
+    from vllm_specstream.training.medusa import MedusaHeads, medusa_drafts
+
+    lm = tiny_llama()
+    heads = MedusaHeads(lm, 2)
+    ids = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        hidden = lm.model(ids).last_hidden_state[0, -1]
+        want = int(lm(ids).logits[0, -1].argmax())
+    assert medusa_drafts(heads, hidden) == [want, want]

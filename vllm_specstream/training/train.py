@@ -28,7 +28,7 @@ logger = init_logger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
-OBJECTIVES = ("specstream", "ntp")
+OBJECTIVES = ("specstream", "ntp", "medusa")
 
 
 @dataclass
@@ -46,7 +46,10 @@ class TrainArgs:
     eval_data: str | None = None
     """Held-out JSONL; default: the built-in task's test split."""
     objective: str = "specstream"
-    """"specstream" (paper eq. 5) or "ntp" (plain LoRA, the quality baseline)."""
+    """"specstream" (paper eq. 5), "ntp" (plain LoRA, the quality baseline) or "medusa"
+    (Medusa heads on the frozen ``base``, saved for vLLM's ``medusa`` method)."""
+    medusa_heads: int = 4
+    """Number of Medusa heads (objective "medusa")."""
     spec: SpecStreamConfig = field(default_factory=SpecStreamConfig)
     lora: LoraSettings | None = field(default_factory=LoraSettings)
     steps: int = 300
@@ -132,40 +135,111 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def param_groups(model: SpecStreamModel, args: TrainArgs) -> list[dict]:
-    stream = [model.stream_embeddings]
-    other = [p for n, p in model.named_parameters() if p.requires_grad and n != "stream_embeddings"]
-    groups = [{"params": other, "lr": args.lr, "weight_decay": 0.0}]
-    if args.objective == "specstream":
-        groups.append({"params": stream, "lr": args.stream_lr, "weight_decay": 0.0})
-    return groups
+class SpecStreamJob:
+    """LoRA + stream embeddings (objective "specstream") or LoRA alone ("ntp")."""
+
+    def __init__(self, args: TrainArgs):
+        self.args = args
+        self.model: SpecStreamModel = build_model(
+            args.base, args.spec, args.lora, torch.float32, args.stream_init_std
+        )
+
+    def loss(self, batch):
+        return specstream_loss(self.model, batch, self.args.objective)
+
+    def param_groups(self) -> list[dict]:
+        model, args = self.model, self.args
+        other = [
+            p for n, p in model.named_parameters() if p.requires_grad and n != "stream_embeddings"
+        ]
+        groups = [{"params": other, "lr": args.lr, "weight_decay": 0.0}]
+        if args.objective == "specstream":
+            groups.append(
+                {"params": [model.stream_embeddings], "lr": args.stream_lr, "weight_decay": 0.0}
+            )
+        else:
+            model.stream_embeddings.requires_grad_(False)
+        return groups
+
+    def log_extra(self) -> dict[str, float]:
+        return {"stream_norm": float(self.model.stream_embeddings.detach().norm(dim=-1).mean())}
+
+    def save(self, out: Path) -> None:
+        save_adapter(self.model, out)
+
+    def load_trainable(self, ckpt: Path) -> None:
+        from safetensors.torch import load_file
+
+        from vllm_specstream.training.checkpoint import STREAM_FILE
+
+        load_stream_tensors(self.model, load_file(str(ckpt / STREAM_FILE)))
+        if (ckpt / "adapter_model.safetensors").is_file():
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(
+                self.model.lm, load_file(str(ckpt / "adapter_model.safetensors"))
+            )
+
+
+class MedusaJob:
+    """Medusa heads on the frozen base model (the peer baseline)."""
+
+    def __init__(self, args: TrainArgs):
+        from vllm_specstream.training.checkpoint import load_base_lm
+        from vllm_specstream.training.medusa import MedusaHeads
+
+        self.args = args
+        self.model = MedusaHeads(load_base_lm(args.base, torch.float32), args.medusa_heads)
+
+    def loss(self, batch):
+        return self.model.loss(batch)
+
+    def param_groups(self) -> list[dict]:
+        return [
+            {
+                "params": list(self.model.blocks.parameters()),
+                "lr": self.args.lr,
+                "weight_decay": 0.0,
+            }
+        ]
+
+    def log_extra(self) -> dict[str, float]:
+        return {}
+
+    def save(self, out: Path) -> None:
+        self.model.save(out)
+
+    def load_trainable(self, ckpt: Path) -> None:
+        self.model.load_trainable(ckpt)
+
+
+def make_job(args: TrainArgs):
+    if args.objective not in OBJECTIVES:
+        raise ValueError(f"--objective must be one of {OBJECTIVES}, got {args.objective!r}")
+    return MedusaJob(args) if args.objective == "medusa" else SpecStreamJob(args)
 
 
 @torch.no_grad()
-def evaluate(
-    model: SpecStreamModel, encoded: list[dict], args: TrainArgs, autocast
-) -> dict[str, float]:
-    """Mean loss and per-stream top-1 accuracy over the held-out examples."""
-    model.eval()
+def evaluate(job, encoded: list[dict], args: TrainArgs, autocast) -> dict[str, float]:
+    """Mean loss and per-stream (per-head) top-1 accuracy over the held-out examples."""
+    job.model.eval()
     sums: dict[str, float] = {}
     batches = 0
     for i in range(0, len(encoded), args.batch_size):
         with autocast():
-            _, metrics = specstream_loss(
-                model, collate(encoded[i : i + args.batch_size]), args.objective
-            )
+            _, metrics = job.loss(collate(encoded[i : i + args.batch_size]))
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
         batches += 1
-    model.train()
+    job.model.train()
     return {f"eval_{k}": v / max(1, batches) for k, v in sums.items()}
 
 
-def _save_checkpoint(model, optimizer, step: int, out: Path) -> None:
-    """Adapter + optimizer state in ``out/checkpoint`` (written aside, then swapped in)."""
+def _save_checkpoint(job, optimizer, step: int, out: Path) -> None:
+    """Trainable weights + optimizer state in ``out/checkpoint`` (written aside, then swapped in)."""
     tmp = out / (CHECKPOINT_DIR + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_adapter(model, tmp)
+    job.save(tmp)
     torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / STATE_FILE)
     final = out / CHECKPOINT_DIR
     old = out / (CHECKPOINT_DIR + ".old")
@@ -176,20 +250,12 @@ def _save_checkpoint(model, optimizer, step: int, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _resume(model: SpecStreamModel, optimizer, out: Path) -> int:
+def _resume(job, optimizer, out: Path) -> int:
     """Load ``out/checkpoint`` if present; return the step to continue from."""
     ckpt = out / CHECKPOINT_DIR
     if not (ckpt / STATE_FILE).is_file():
         return 0
-    from safetensors.torch import load_file
-
-    from vllm_specstream.training.checkpoint import STREAM_FILE
-
-    load_stream_tensors(model, load_file(str(ckpt / STREAM_FILE)))
-    if (ckpt / "adapter_model.safetensors").is_file():
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model.lm, load_file(str(ckpt / "adapter_model.safetensors")))
+    job.load_trainable(ckpt)
     state = torch.load(ckpt / STATE_FILE, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     logger.info("Resuming from %s at step %d", ckpt, state["step"])
@@ -205,8 +271,6 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
 
     from vllm_specstream.training.data import encode_example
 
-    if args.objective not in OBJECTIVES:
-        raise ValueError(f"--objective must be one of {OBJECTIVES}, got {args.objective!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -227,13 +291,13 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     ]
     if not train_set:
         raise ValueError(f"no training examples (task={args.task!r}, data={args.data!r})")
-    model = build_model(args.base, args.spec, args.lora, torch.float32, args.stream_init_std)
-    model.train()
-    optimizer = torch.optim.AdamW(param_groups(model, args), betas=(0.9, 0.99))
+    job = make_job(args)
+    job.model.train()
+    optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
     base_lrs = [g["lr"] for g in optimizer.param_groups]
-    start = _resume(model, optimizer, out)
+    start = _resume(job, optimizer, out)
     (out / "train_args.json").write_text(json.dumps(asdict(args), indent=2, default=str) + "\n")
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     logger.info(
         "Training %s on %d examples (%d held out): %d trainable parameters, %s, %d steps x %d x %d",
         args.objective,
@@ -260,9 +324,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
                     len(train_set), args.batch_size, step * args.grad_accum + micro, args.seed
                 )
                 with autocast():
-                    loss, metrics = specstream_loss(
-                        model, collate([train_set[i] for i in idx]), args.objective
-                    )
+                    loss, metrics = job.loss(collate([train_set[i] for i in idx]))
                 (loss / args.grad_accum).backward()
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v / args.grad_accum
@@ -275,11 +337,11 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
                 "step": step + 1,
                 "lr": optimizer.param_groups[0]["lr"],
                 **totals,
-                "stream_norm": float(model.stream_embeddings.detach().norm(dim=-1).mean()),
+                **job.log_extra(),
                 "elapsed_s": round(time.monotonic() - started, 1),
             }
             if eval_set and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-                record.update(evaluate(model, eval_set, args, autocast))
+                record.update(evaluate(job, eval_set, args, autocast))
                 logger.info(
                     "step %d: %s",
                     step + 1,
@@ -296,11 +358,11 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
                 }
             )
             if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                _save_checkpoint(model, optimizer, step + 1, out)
+                _save_checkpoint(job, optimizer, step + 1, out)
     finally:
         bar.close()
         log.close()
-    save_adapter(model, out)
-    _save_checkpoint(model, optimizer, args.steps, out)
+    job.save(out)
+    _save_checkpoint(job, optimizer, args.steps, out)
     logger.info("Adapter saved to %s (%.0f s)", out, time.monotonic() - started)
     return out
