@@ -128,6 +128,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         lr=args.lr,
         stream_lr=args.stream_lr,
         stream_init_std=args.stream_init_std,
+        stream_init_scale=args.stream_init_scale,
         warmup_steps=args.warmup_steps,
         max_length=args.max_length,
         num_train=args.num_train,
@@ -209,7 +210,15 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--stream-lr", type=float, default=2e-2)
-    p.add_argument("--stream-init-std", type=float, default=0.02)
+    p.add_argument(
+        "--stream-init-std", type=float, default=0.02, help="used with --stream-init-scale 0"
+    )
+    p.add_argument(
+        "--stream-init-scale",
+        type=float,
+        default=0.5,
+        help="stream embedding norm as a fraction of the residual norm at L0",
+    )
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--num-train", type=int, help="built-in task records to generate")

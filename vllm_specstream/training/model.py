@@ -46,6 +46,8 @@ class StreamOutput:
     """``[B, A, G, h]`` streams at the anchors, or None when no anchors were asked for."""
     anchors: Tensor | None
     """``[B, A]`` anchor indices into the input (-1 = padding)."""
+    msa_input: Tensor
+    """``[B, T, h]`` residual stream entering the first MSA layer L0 (``M``)."""
     prune_input: Tensor
     """``[B, T, h]`` residual stream entering the pruning layer Lp (default L0)."""
     cache: KVCache | None = None
@@ -226,11 +228,13 @@ class SpecStreamModel(nn.Module):
         decoder = self.decoder
         h = decoder.embed_tokens(input_ids)
         cos, sin = decoder.rotary_emb(h, positions)
-        s = s_cos = s_sin = main_mask = prune_input = None
+        s = s_cos = s_sin = main_mask = prune_input = msa_input = None
         new_cache: KVCache = []
         for i, layer in enumerate(decoder.layers):
             if i == self.prune_layer:
                 prune_input = h
+            if i == self.first_msa_layer:
+                msa_input = h
             if i == self.first_msa_layer and anchors is not None:
                 s, s_cos, s_sin, main_mask = self._enter_streams(h, anchors, positions, attn_mask)
             h, k, v = self._main_layer(
@@ -245,6 +249,7 @@ class SpecStreamModel(nn.Module):
             main_hidden=norm(h),
             stream_hidden=None if s is None else norm(s),
             anchors=anchors,
+            msa_input=msa_input,
             prune_input=prune_input,
             cache=new_cache if use_cache else None,
         )

@@ -61,6 +61,11 @@ class TrainArgs:
     """Learning rate of the stream embeddings: they must grow to the scale of the residual
     stream (norm in the hundreds) to make streams differ from the main stream."""
     stream_init_std: float = 0.02
+    """Std of the stream embeddings' random init (used when ``stream_init_scale`` is 0)."""
+    stream_init_scale: float = 0.5
+    """Initialise each stream embedding with a norm of this fraction of the median norm of
+    the residual stream entering layer L0 (measured on the first batch), so that streams
+    start distinct from the main stream; 0 uses ``stream_init_std``."""
     warmup_steps: int = 20
     max_length: int = 256
     num_train: int | None = None
@@ -161,6 +166,26 @@ class SpecStreamJob:
             model.stream_embeddings.requires_grad_(False)
         return groups
 
+    @torch.no_grad()
+    def calibrate(self, batch: dict) -> None:
+        """Scale the stream embeddings to ``stream_init_scale`` x the residual norm at L0."""
+        if self.args.objective != "specstream" or self.args.stream_init_scale <= 0:
+            return
+        model = self.model
+        hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"]).msa_input
+        # Skip position 0: the first token carries a huge "attention sink" activation.
+        norms = hidden[:, 1:].norm(dim=-1)[batch["attention_mask"][:, 1:]]
+        target = self.args.stream_init_scale * float(norms.median())
+        p = model.stream_embeddings
+        p.copy_(torch.randn_like(p) * target / p.shape[-1] ** 0.5)
+        logger.info(
+            "Stream embeddings initialised with norm ~%.1f (residual norm at layer %d: "
+            "median %.1f)",
+            target,
+            model.first_msa_layer,
+            float(norms.median()),
+        )
+
     def log_extra(self) -> dict[str, float]:
         return {"stream_norm": float(self.model.stream_embeddings.detach().norm(dim=-1).mean())}
 
@@ -202,6 +227,9 @@ class MedusaJob:
                 "weight_decay": 0.0,
             }
         ]
+
+    def calibrate(self, batch: dict) -> None:
+        pass
 
     def log_extra(self) -> dict[str, float]:
         return {}
@@ -296,6 +324,12 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     start = _resume(job, optimizer, out)
+    if start == 0:
+        job.calibrate(
+            collate(
+                [train_set[i] for i in batch_indices(len(train_set), args.batch_size, 0, args.seed)]
+            )
+        )
     (out / "train_args.json").write_text(json.dumps(asdict(args), indent=2, default=str) + "\n")
     n_trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     logger.info(
