@@ -1,0 +1,93 @@
+"""Model card (README.md) of a trained adapter: how it was made and what it measures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vllm_specstream.machine import describe_machine
+
+
+def _train_summary(adapter_dir: Path) -> tuple[dict, float | None]:
+    args = json.loads((adapter_dir / "train_args.json").read_text())
+    wall = None
+    log = adapter_dir / "train_log.jsonl"
+    if log.is_file():
+        lines = log.read_text().splitlines()
+        if lines:
+            wall = json.loads(lines[-1]).get("elapsed_s")
+    return args, wall
+
+
+def write_model_card(
+    adapter_dir: str | Path, command: str, result: dict, baseline: dict | None = None
+) -> Path:
+    """Write ``adapter_dir/README.md`` from the training args, log and eval results."""
+    adapter_dir = Path(adapter_dir)
+    args, wall = _train_summary(adapter_dir)
+    spec, lora = args["spec"], args.get("lora") or {}
+    metric = "exact_match" if "exact_match" in result else "rouge_l"
+    tps = result["tokens_per_step"]
+    rows = [
+        ("tokens_per_step, chain (reference decoder)", f"{tps['chain']:.2f}"),
+        (f"tokens_per_step, tree (top-{tps['tree_top_k']})", f"{tps['tree']:.2f}"),
+        (f"{metric} (%)", f"{result[metric]:.1f}"),
+        ("extra_params (over base + LoRA)", f"{result['extra_params']:,}"),
+    ]
+    if baseline is not None:
+        rows.append((f"{metric} of the ntp baseline, same budget (%)", f"{baseline[metric]:.1f}"))
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    wall_text = f"{wall / 60:.0f} min" if wall else "n/a"
+    card = f"""# Speculative Streaming adapter: {args.get("task") or args.get("data")} on {Path(args["base"]).name}
+
+Trained with vllm-specstream (`--objective {args["objective"]}`).
+
+| setting | value |
+|---|---|
+| base model | {Path(args["base"]).name} |
+| data | {"built-in task `" + args["task"] + "`" if not args.get("data") else args["data"]} |
+| num_streams (gamma) | {spec["num_streams"]} |
+| num_msa_layers (N_s) | {spec["num_msa_layers"]} |
+| stream_position | {spec["stream_position"]} |
+| LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules", []))} |
+| steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
+| learning rates | LoRA {args["lr"]}, stream embeddings {args["stream_lr"]} |
+| wall time | {wall_text} on {describe_machine()} |
+
+## Measured on the held-out test split ({result["num_prompts"]} prompts, greedy)
+
+| metric | value |
+|---|---|
+{table}
+
+Chain and tree decoding gave identical outputs: {result["chain_tree_identical"]}.
+
+## Reproduce
+
+```bash
+{command}
+```
+"""
+    path = adapter_dir / "README.md"
+    path.write_text(card)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write README.md (model card) of an adapter.")
+    parser.add_argument("adapter_dir")
+    parser.add_argument("--eval", required=True, help="JSON printed by `specstream eval`")
+    parser.add_argument("--baseline", help="JSON printed by `specstream eval` for the ntp baseline")
+    parser.add_argument("--command", required=True, help="the command that reproduces the adapter")
+    a = parser.parse_args(argv)
+    result = json.loads(Path(a.eval).read_text().strip().splitlines()[-1])
+    baseline = (
+        json.loads(Path(a.baseline).read_text().strip().splitlines()[-1]) if a.baseline else None
+    )
+    print(write_model_card(a.adapter_dir, a.command, result, baseline))
+
+
+if __name__ == "__main__":
+    main()
