@@ -42,3 +42,21 @@ def test_skip_check_env(monkeypatch):
         ensure_supported_vllm()
     monkeypatch.setenv(ENV_SKIP_CHECK, "1")
     assert ensure_supported_vllm() == "9.9.9"
+
+
+def test_register_refuses_unsupported_vllm_with_one_clear_error(monkeypatch, caplog):
+    import logging
+
+    import vllm_specstream.plugin as plugin
+    import vllm_specstream.vllm_version as vv
+
+    monkeypatch.setattr(vv, "installed_vllm", lambda: ("vllm", "0.40.1"))
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # let caplog see it
+    with caplog.at_level(logging.ERROR, logger="vllm"):
+        plugin.register()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    assert SUPPORTED_VLLM in errors[0].getMessage() and "0.40.1" in errors[0].getMessage()
+    assert "not loaded" in errors[0].getMessage()
+    assert plugin._registered is False
