@@ -45,7 +45,7 @@ def eval_cases(task: str, prompts: str | None, n: int, seed: int = 0) -> list[Ev
 
 def task_metric(task: str, predictions: list[str], references: list[str]) -> tuple[str, float]:
     """Exact match (SQL, normalised) in percent, else ROUGE-L F in percent."""
-    from vllm_specstream.training.tasks import rouge_l, sql_exact_match
+    from vllm_specstream.training.metrics import rouge_l, sql_exact_match
 
     if task == "sql":
         score = statistics.mean(sql_exact_match(p, r) for p, r in zip(predictions, references))
