@@ -14,7 +14,9 @@ from vllm_specstream.logger import init_logger
 logger = init_logger(__name__)
 
 #: Architectures this plugin adds to vLLM's ModelRegistry, by lazy import path.
-MODEL_CLASSES: dict[str, str] = {}
+MODEL_CLASSES: dict[str, str] = {
+    "SpecStreamForCausalLM": "vllm_specstream.model_executor.specstream:SpecStreamForCausalLM",
+}
 
 _registered = False
 

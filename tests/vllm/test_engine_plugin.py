@@ -59,6 +59,7 @@ def test_register_runs_in_engine_core_and_worker(engine_run):
     for process in ("EngineCore", "Worker"):
         assert any(process in p for p in processes), (process, lines)
     assert "FRONTEND_REGISTERED True" in engine_run.stdout
+    assert any("SpecStreamForCausalLM" in line for line in lines)
     assert "Failed to load plugin" not in log
 
 

@@ -1,0 +1,66 @@
+"""Tiny merged specstream checkpoints for engine tests (random weights, real tokenizer)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+
+
+def make_tiny_merged(base_model_dir: Path, out: Path, num_streams: int = 3, seed: int = 0) -> Path:
+    """A 4-layer Llama (head_dim 32, GQA) with SmolLM2's tokenizer, random LoRA and streams,
+    exported with `specstream export --merge` semantics."""
+    import torch
+    from tiny import tiny_llama
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.training.checkpoint import (
+        LoraSettings,
+        build_model,
+        export_merged,
+        save_adapter,
+    )
+
+    base = out.with_name(out.name + "-base")
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in lm.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    lm.save_pretrained(base)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(base_model_dir / name, base / name)
+    del tiny_llama
+    model = build_model(
+        base,
+        SpecStreamConfig(num_streams=num_streams, num_msa_layers=2),
+        LoraSettings(rank=4),
+        stream_init_std=1.0,
+    )
+    adapter = save_adapter(model, out.with_name(out.name + "-adapter"))
+    return export_merged(adapter, out, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_merged(base_model_dir, tmp_path_factory) -> Path:
+    return make_tiny_merged(base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-merged")

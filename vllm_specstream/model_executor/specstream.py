@@ -1,0 +1,132 @@
+"""``SpecStreamForCausalLM``: a merged specstream checkpoint as a vLLM model.
+
+The main stream is the base architecture's vLLM model, unchanged: same modules, same
+paged attention, same outputs (served without speculation it is exactly the fine-tuned
+model). On top, the model asks the decoder for the residual stream entering layer
+``L0 = N - num_msa_layers`` (vLLM's aux-hidden-state hook) and, when speculative decoding
+is on, runs the streams for every window position after the main forward and stashes their
+top-1 tokens for :class:`vllm_specstream.proposer.SpecStreamProposer`.
+
+Base architectures are mapped in :data:`BASE_CLASSES`; a new family (OPT, Phi) needs its
+vLLM class there and, if its layers differ from Llama's, a layer adapter in
+``stream_forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.model_executor.models.llama import LlamaForCausalLM
+
+from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.logger import init_logger
+from vllm_specstream.model_executor.forward_batch import (
+    ForwardBatch,
+    attention_layer_name,
+    current_forward_batch,
+)
+from vllm_specstream.model_executor.stream_forward import StreamParams, StreamRunner
+
+logger = init_logger(__name__)
+
+#: Base architectures (``config.json: specstream.base_architectures``) served by this class.
+BASE_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclass
+class StreamStash:
+    """What the last forward left for the proposer."""
+
+    step: int
+    batch: ForwardBatch
+    input_ids: torch.Tensor
+    """``[num_tokens]`` the scheduled tokens of the forward."""
+    draft_table: torch.Tensor
+    """``[num_tokens, G]`` top-1 stream tokens of each anchor token; -1 elsewhere."""
+
+
+def read_specstream_section(hf_config) -> SpecStreamConfig:
+    section = getattr(hf_config, "specstream", None)
+    if not isinstance(section, dict):
+        raise ConfigError(
+            "config.json: architectures is ['SpecStreamForCausalLM'] but there is no "
+            "'specstream' section; export the checkpoint with `specstream export --merge`"
+        )
+    section = dict(section)
+    base = section.pop("base_architectures", None)
+    if not base or base[0] not in BASE_CLASSES:
+        raise ConfigError(
+            f"config.json: specstream.base_architectures is {base!r}; vllm-specstream serves "
+            f"{list(BASE_CLASSES)}"
+        )
+    config = SpecStreamConfig.from_dict(section, where="config.json (specstream)")
+    config.validate(hf_config.num_hidden_layers, where="config.json (specstream)")
+    return config
+
+
+class SpecStreamForCausalLM(LlamaForCausalLM):
+    """A Llama-family model with speculative streams (registered as ``SpecStreamForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hf_config = vllm_config.model_config.hf_config
+        self.spec_config = read_specstream_section(hf_config)
+        self.specstream = StreamParams(self.spec_config, hf_config.hidden_size)
+        spec = vllm_config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        if self.num_speculative_tokens > self.spec_config.num_streams:
+            raise ConfigError(
+                f"num_speculative_tokens={self.num_speculative_tokens} exceeds the checkpoint's "
+                f"num_streams={self.spec_config.num_streams} (config.json: specstream.num_streams)"
+            )
+        n = hf_config.num_hidden_layers
+        self.first_msa_layer = n - self.spec_config.num_msa_layers
+        self.model._set_aux_hidden_state_layers((self.first_msa_layer,))
+        self._layer_name = attention_layer_name(f"{prefix}.model." if prefix else "model.", n - 1)
+        self._runner: StreamRunner | None = None
+        self.stash: StreamStash | None = None
+        self._step = 0
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if not isinstance(out, tuple):  # pipeline-parallel intermediate ranks
+            return out
+        hidden, aux = out
+        if self.num_speculative_tokens > 0:
+            self._draft(aux[0], positions, input_ids)
+        return hidden
+
+    def _draft(self, msa_input: torch.Tensor, positions: torch.Tensor, input_ids) -> None:
+        batch = current_forward_batch(self._layer_name, positions)
+        if batch is None:
+            return
+        if self._runner is None:
+            self._runner = StreamRunner(self, self.specstream, self.spec_config)
+        self._step += 1
+        hidden, anchors = self._runner(msa_input, batch, self.num_speculative_tokens + 1)
+        g = self.spec_config.num_streams
+        valid = anchors >= 0
+        table = torch.full((positions.shape[0], g), -1, dtype=torch.long)
+        if bool(valid.any()):
+            logits = self.compute_logits(hidden[valid].reshape(-1, hidden.shape[-1]))
+            if logits is not None:  # None on tensor-parallel ranks other than the first
+                table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)
+        ids = input_ids[: positions.shape[0]].clone() if input_ids is not None else None
+        self.stash = StreamStash(self._step, batch, ids, table)
+
+
+def stash_snapshot(model) -> dict | None:
+    """The last forward's anchors and stream drafts as plain lists, for inspection through
+    ``LLM.apply_model(stash_snapshot)``."""
+    stash = getattr(model, "stash", None)
+    if stash is None:
+        return None
+    return {
+        "step": stash.step,
+        "qsl": stash.batch.query_start_loc.tolist(),
+        "positions": stash.batch.positions.tolist(),
+        "input_ids": stash.input_ids.tolist() if stash.input_ids is not None else None,
+        "table": stash.draft_table.tolist(),
+    }

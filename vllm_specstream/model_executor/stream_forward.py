@@ -1,0 +1,128 @@
+"""The speculative streams inside vLLM: top ``num_msa_layers`` layers over the paged KV cache.
+
+For every anchor (each position of a request's scheduled window, at most ``k + 1`` per
+request), the ``num_streams`` streams start as ``f(M[t]) + P[j]`` from the residual stream
+entering layer L0 and go through vLLM's own layer modules. In attention they read the main
+stream's keys/values at positions ``<= t`` from the paged cache (after this step's writes)
+and their own anchor's streams ``<= j``; nothing of the streams is written to the cache.
+The math is :mod:`vllm_specstream.stream_math`, shared with training; the attention core
+(:func:`multi_stream_attention`) is the piece a GPU kernel would replace.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.paged_kv import PagedKVLayout
+from vllm_specstream.stream_math import init_streams, multi_stream_attention, stream_position_ids
+
+Tensor = torch.Tensor
+
+
+def window_anchors(batch: ForwardBatch, max_anchors: int) -> Tensor:
+    """``[R, A]`` flat token indices of the anchors: the last ``min(query_len, max_anchors)``
+    scheduled tokens of each request (the whole window of a decode step, the last prompt
+    tokens of a prefill chunk); -1 pads."""
+    qsl = batch.query_start_loc
+    ends = qsl[1:]
+    counts = torch.minimum(ends - qsl[:-1], torch.full_like(ends, max_anchors))
+    a = int(counts.max()) if counts.numel() else 0
+    offsets = torch.arange(a)[None, :] - counts[:, None]  # negative offsets from each end
+    idx = ends[:, None] + offsets
+    return torch.where(offsets < 0, idx, torch.full_like(idx, -1)) if a else idx
+
+
+class StreamParams(nn.Module):
+    """The specstream tensors of a merged checkpoint (``specstream.*``)."""
+
+    def __init__(self, config: SpecStreamConfig, hidden_size: int):
+        super().__init__()
+        g, h = config.num_streams, hidden_size
+        self.stream_embeddings = nn.Parameter(torch.zeros(g, h), requires_grad=False)
+        if config.init_rank > 0:
+            self.init_a = nn.Parameter(torch.zeros(config.init_rank, h), requires_grad=False)
+            self.init_b = nn.Parameter(torch.zeros(h, config.init_rank), requires_grad=False)
+        else:
+            self.init_a = self.init_b = None
+        if config.prune.enabled:
+            self.prune_a = nn.Parameter(torch.zeros(config.prune.rank, h), requires_grad=False)
+            self.prune_b = nn.Parameter(torch.zeros(h, config.prune.rank), requires_grad=False)
+
+
+class StreamRunner:
+    """Runs the streams for a batch of anchors through the model's MSA layers."""
+
+    def __init__(self, model: nn.Module, params: StreamParams, config: SpecStreamConfig):
+        self.model = model  # the SpecStream*ForCausalLM (has .model.layers, .model.norm)
+        self.params = params
+        self.config = config
+        layers = model.model.layers
+        self.first_msa_layer = len(layers) - config.num_msa_layers
+        self.layers = list(layers)[self.first_msa_layer :]
+        self._layouts: dict[int, PagedKVLayout] = {}
+
+    def _layout(self, attn, kv_cache: Tensor) -> PagedKVLayout:
+        key = id(attn)
+        if key not in self._layouts:
+            _, kv_heads, block_size, two_hd = kv_cache.shape
+            self._layouts[key] = PagedKVLayout.probe(
+                kv_heads, block_size, two_hd // 2, kv_cache.dtype, attn.isa
+            )
+        return self._layouts[key]
+
+    def _main_kv(self, layer, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor]:
+        """Main keys/values ``[R, K, P, D]`` of positions ``0..P-1`` of every request."""
+        attn = layer.self_attn.attn
+        kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+        layout = self._layout(attn, kv_cache)
+        r, p = context.shape
+        bs = layout.block_size
+        block_ids = torch.gather(batch.block_table.long(), 1, context // bs)
+        k, v = layout.gather(kv_cache, block_ids.flatten(), (context % bs).flatten())
+        k = k.view(r, p, *k.shape[1:]).transpose(1, 2)
+        v = v.view(r, p, *v.shape[1:]).transpose(1, 2)
+        return k, v
+
+    @torch.no_grad()
+    def __call__(
+        self, msa_input: Tensor, batch: ForwardBatch, max_anchors: int
+    ) -> tuple[Tensor, Tensor]:
+        """Stream hidden states after the final norm ``[R, A, G, h]`` and the anchors ``[R, A]``."""
+        anchors = window_anchors(batch, max_anchors)
+        valid = anchors >= 0
+        idx = anchors.clamp(min=0)
+        g = self.config.num_streams
+        r, a = anchors.shape
+        p = self.params
+        s = init_streams(msa_input[idx], p.stream_embeddings, p.init_a, p.init_b)  # [R, A, G, h]
+        anchor_pos = batch.positions[idx].long()  # [R, A]
+        s_pos = stream_position_ids(anchor_pos, g, self.config.stream_position)  # [R, A, G]
+        # Main context of each request: positions 0..(last anchor position).
+        ctx_len = torch.where(valid, anchor_pos + 1, torch.zeros_like(anchor_pos)).max(dim=1).values
+        p_max = int(ctx_len.max())
+        context = torch.arange(p_max)[None, :].expand(r, p_max)
+        context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
+        main_mask = (torch.arange(p_max)[None, None, :] <= anchor_pos[:, :, None]) & valid[
+            ..., None
+        ]
+        flat_pos = s_pos.flatten()
+        for layer in self.layers:
+            attn = layer.self_attn
+            x = layer.input_layernorm(s.view(-1, s.shape[-1]))
+            qkv, _ = attn.qkv_proj(x)
+            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+            q, k = attn.rotary_emb(flat_pos, q, k)
+            h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            q = q.view(r, a, g, h_q, d).permute(0, 3, 1, 2, 4)
+            k = k.view(r, a, g, h_kv, d).permute(0, 3, 1, 2, 4)
+            v = v.view(r, a, g, h_kv, d).permute(0, 3, 1, 2, 4)
+            k_main, v_main = self._main_kv(layer, batch, context)
+            o = multi_stream_attention(q, k_main, v_main, k, v, main_mask, attn.scaling)
+            o = o.permute(0, 2, 3, 1, 4).reshape(r * a * g, h_q * d)
+            out, _ = attn.o_proj(o)
+            s = s + out.view_as(s)
+            s = s + layer.mlp(layer.post_attention_layernorm(s.view(-1, s.shape[-1]))).view_as(s)
+        return self.model.model.norm(s.view(-1, s.shape[-1])).view_as(s), anchors

@@ -1,0 +1,81 @@
+"""``SpecStreamProposer``: vLLM's ``custom_class`` proposer that hands out the stream drafts.
+
+The drafts were computed inside the target's own forward (:mod:`model_executor.specstream`);
+the proposer only picks, per request, the row of the last accepted token and returns its
+stream tokens, clipped to ``num_speculative_tokens``. It keeps no per-row state: rows of
+vLLM's input batch move between steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_specstream.config import ConfigError
+
+
+def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spec: int) -> int:
+    """Flat index, in the last forward, of a request's last accepted token.
+
+    After rejection sampling and bookkeeping, the request holds ``num_tokens_no_spec``
+    tokens and the newest one (just sampled) is not in the cache yet; so the last accepted
+    token sits at position ``num_tokens_no_spec - 2``, i.e. ``that - first_position`` tokens
+    after the first scheduled token of the request.
+    """
+    return query_start + (num_tokens_no_spec - 2 - first_position)
+
+
+def select_drafts(
+    sampled_token_ids: list[list[int]],
+    num_tokens_no_spec: np.ndarray,
+    query_start_loc: list[int],
+    first_positions: list[int],
+    draft_table,
+    k: int,
+) -> list[list[int]]:
+    """Per request row: the stream drafts at its last accepted token (``[]`` for rows that
+    sampled nothing, e.g. a partial prefill chunk, or whose anchor has no drafts)."""
+    drafts: list[list[int]] = []
+    for i, sampled in enumerate(sampled_token_ids):
+        if not sampled or i + 1 >= len(query_start_loc):
+            drafts.append([])
+            continue
+        idx = last_accepted_index(
+            query_start_loc[i], first_positions[i], int(num_tokens_no_spec[i])
+        )
+        if not query_start_loc[i] <= idx < query_start_loc[i + 1]:
+            drafts.append([])
+            continue
+        row = [int(t) for t in draft_table[idx][:k]]
+        drafts.append([] if row and row[0] < 0 else row)
+    return drafts
+
+
+class SpecStreamProposer:
+    """Speculative streaming drafts for vLLM's ``custom_class`` speculative method."""
+
+    def __init__(self, vllm_config):
+        spec = vllm_config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.target = None
+
+    def load_model(self, target_model) -> None:
+        # Stored as `target`, not `model`: vLLM probes `drafter.model` in some paths.
+        if not hasattr(target_model, "spec_config") or not hasattr(target_model, "stash"):
+            raise ConfigError(
+                f"the specstream proposer needs a SpecStreamForCausalLM checkpoint, got "
+                f"{type(target_model).__name__}; export one with `specstream export --merge`"
+            )
+        self.target = target_model
+
+    def propose(
+        self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
+    ):
+        stash = self.target.stash
+        if stash is None:
+            return [[] for _ in sampled_token_ids]
+        batch = stash.batch
+        qsl = batch.query_start_loc.tolist()
+        first_positions = batch.positions[batch.query_start_loc[:-1]].tolist()
+        return select_drafts(
+            sampled_token_ids, num_tokens_no_spec, qsl, first_positions, stash.draft_table, self.k
+        )
