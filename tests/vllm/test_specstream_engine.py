@@ -148,3 +148,53 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
             assert table[i] == want, (r, i, t)
             checked += 1
     assert checked >= (3 if max_tokens == 1 else 4)
+
+
+ERROR_SCRIPT = """
+import sys
+from vllm import LLM
+from vllm_specstream import speculative_config
+from vllm_specstream.cpu_env import cpu_engine_kwargs
+
+def main():
+    ckpt, k = sys.argv[1], int(sys.argv[2])
+    LLM(model=ckpt, speculative_config=speculative_config(k),
+        **cpu_engine_kwargs(dtype="float32", max_model_len=512))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def engine_error(tmp_path, ckpt, k):
+    script = tmp_path / "err.py"
+    script.write_text(ERROR_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(ckpt), str(k)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode != 0
+    return out.stdout + out.stderr
+
+
+def test_missing_stream_tensors_fail_loudly(tiny_merged, tmp_path):
+    import shutil
+
+    broken = tmp_path / "no-streams"
+    shutil.copytree(tiny_merged, broken)
+    (broken / "specstream.safetensors").unlink()
+    log = engine_error(tmp_path, broken, 2)
+    assert "missing stream tensor(s) ['specstream.stream_embeddings']" in log
+
+
+def test_too_many_speculative_tokens(tiny_merged, tmp_path):
+    log = engine_error(tmp_path, tiny_merged, 5)
+    assert "num_speculative_tokens=5 exceeds the checkpoint's num_streams=3" in log
+
+
+def test_proposer_refuses_a_plain_model(tiny_merged, tmp_path):
+    plain = tiny_merged.with_name(tiny_merged.name + "-base")  # the base it was built from
+    log = engine_error(tmp_path, plain, 2)
+    assert "the specstream proposer needs a SpecStreamForCausalLM checkpoint" in log

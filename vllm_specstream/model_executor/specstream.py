@@ -89,6 +89,32 @@ class SpecStreamForCausalLM(LlamaForCausalLM):
         self.stash: StreamStash | None = None
         self._step = 0
 
+    def load_weights(self, weights):
+        """The base loader, plus checks that every stream tensor came with the right shape
+        (a missing tensor would otherwise stay zero silently)."""
+        expected = {
+            f"specstream.{n}": tuple(p.shape) for n, p in self.specstream.named_parameters()
+        }
+
+        def checked(items):
+            for name, tensor in items:
+                if name in expected and tuple(tensor.shape) != expected[name]:
+                    raise ConfigError(
+                        f"specstream.safetensors: tensor {name} has shape {list(tensor.shape)}, "
+                        f"expected {list(expected[name])} (num_streams="
+                        f"{self.spec_config.num_streams}, hidden_size={self.config.hidden_size})"
+                    )
+                yield name, tensor
+
+        loaded = super().load_weights(checked(weights))
+        missing = sorted(set(expected) - set(loaded))
+        if missing:
+            raise ConfigError(
+                f"specstream.safetensors: missing stream tensor(s) {missing}; the merged "
+                "checkpoint must carry them (export it with `specstream export --merge`)"
+            )
+        return loaded
+
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         if not isinstance(out, tuple):  # pipeline-parallel intermediate ranks
