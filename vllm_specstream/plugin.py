@@ -21,6 +21,18 @@ MODEL_CLASSES: dict[str, str] = {
 _registered = False
 
 
+def _apply_patches(vllm_version: str) -> None:
+    """Fixes for vLLM itself, each guarded by its version range (see patches/)."""
+    from vllm.platforms import current_platform
+
+    from vllm_specstream.patches import apply_patch
+
+    if current_platform.is_cpu():
+        from vllm_specstream.patches.cpu_expand_kernel import EXPAND_KERNEL
+
+        apply_patch(EXPAND_KERNEL, vllm_version)
+
+
 def register() -> None:
     """Check the vLLM version and register vllm-specstream's model classes. Idempotent."""
     global _registered
@@ -45,6 +57,7 @@ def register() -> None:
     from vllm_specstream.cpu_env import apply_cpu_env
 
     apply_cpu_env()
+    _apply_patches(vllm_version)
     _registered = True
     logger.debug(
         "vllm-specstream registered with vLLM %s in process %d (%s)",

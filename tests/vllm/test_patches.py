@@ -79,3 +79,51 @@ def test_alias_patch_targets_supported_range():
     from vllm_specstream import SUPPORTED_VLLM
 
     assert VERSION_ALIAS.vllm_versions.replace(".0", "") == SUPPORTED_VLLM.replace(".0", "")
+
+
+def _expand_case(impl, dtype):
+    import torch
+
+    x = torch.tensor([5.0, 0.0, 2.0]).to(dtype)
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = torch.full((6,), -7).to(dtype)
+    impl(out, x, cu, 0, 1)
+    return out.tolist()
+
+
+@needs_cpu_wheel
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_vllm_cpu_expand_kernel_is_still_broken(dtype):
+    # If this starts failing, vLLM fixed the kernel: drop patches/cpu_expand_kernel.py.
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    from vllm.utils import cpu_triton_utils
+
+    from vllm_specstream.patches.cpu_expand_kernel import expand_kernel_impl
+
+    impl = cpu_triton_utils._expand_kernel_impl
+    if impl is expand_kernel_impl:
+        pytest.skip("already patched in this process")
+    assert _expand_case(impl, getattr(torch, dtype)) == [-7] * 6  # output never written
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "int64"])
+def test_fixed_expand_kernel(dtype):
+    import torch
+
+    from vllm_specstream.patches.cpu_expand_kernel import expand_kernel_impl
+
+    want = [5, 5, 1, 1, 1, 2]  # 0 (greedy) is replaced by 1, as vLLM does for temperatures
+    assert _expand_case(expand_kernel_impl, getattr(torch, dtype)) == want
+
+
+@needs_cpu_wheel
+def test_expand_patch_is_applied_by_register():
+    out = run_python(
+        "from vllm_specstream.plugin import register\n"
+        "register()\n"
+        "from vllm.utils import cpu_triton_utils\n"
+        "from vllm_specstream.patches.cpu_expand_kernel import expand_kernel_impl\n"
+        "print(cpu_triton_utils._expand_kernel_impl is expand_kernel_impl)\n"
+    )
+    assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
