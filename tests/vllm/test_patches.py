@@ -127,3 +127,47 @@ def test_expand_patch_is_applied_by_register():
         "print(cpu_triton_utils._expand_kernel_impl is expand_kernel_impl)\n"
     )
     assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
+
+
+def test_spec_alias_resolution():
+    from types import SimpleNamespace
+
+    from vllm_specstream import PROPOSER
+    from vllm_specstream.patches.spec_alias import resolve_alias
+
+    ckpt = SimpleNamespace(specstream={"num_streams": 4})
+    assert resolve_alias({"model": "specstream"}, ckpt) == {
+        "model": PROPOSER,
+        "method": "custom_class",
+        "num_speculative_tokens": 4,
+    }
+    assert (
+        resolve_alias({"model": "specstream", "num_speculative_tokens": 2}, ckpt)[
+            "num_speculative_tokens"
+        ]
+        == 2
+    )
+    assert resolve_alias({"method": "ngram", "num_speculative_tokens": 3}, ckpt) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+    }
+    with pytest.raises(ValueError, match="needs --spec-tokens"):
+        resolve_alias({"model": "specstream"}, SimpleNamespace())
+
+
+@needs_cpu_wheel
+def test_spec_alias_patch_wraps_create_speculative_config():
+    # Fails when vLLM renames or drops the method the alias hooks into.
+    out = run_python(
+        "import inspect\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "sig = inspect.signature(EngineArgs.create_speculative_config)\n"
+        "print(list(sig.parameters))\n"
+        "from vllm_specstream.plugin import register\n"
+        "register()\n"
+        "print(hasattr(EngineArgs.create_speculative_config, '__wrapped__'))\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2] == "['self', 'target_model_config', 'target_parallel_config']"
+    assert lines[-1] == "True"

