@@ -58,14 +58,14 @@ def test_batches_are_a_pure_function_of_the_step():
 
 def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeypatch):
     full = train(args_for(tiny_base, tmp_path / "full"), progress=False)
-    # Kill the run during step 3 (after the save at step 2), then run it again.
+    # Kill the run during step 4 (step 3 logged, last save at step 2), then run it again.
     import vllm_specstream.training.train as train_module
 
     real_loss, calls = train_module.specstream_loss, []
 
     def dying_loss(*a, **kw):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 4:
             raise KeyboardInterrupt
         return real_loss(*a, **kw)
 
@@ -89,6 +89,8 @@ def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeyp
         torch.testing.assert_close(la[k], lb[k], atol=1e-6, rtol=1e-6)
     log = [json.loads(x) for x in (full / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4]
+    log = [json.loads(x) for x in (resumed / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]  # step 3 runs twice, is logged once
     assert {"loss_main", "loss_stream1", "top1_stream2", "eval_loss"} <= set(log[-1])
 
 

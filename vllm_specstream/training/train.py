@@ -286,6 +286,10 @@ def _resume(job, optimizer, out: Path) -> int:
     job.load_trainable(ckpt)
     state = torch.load(ckpt / STATE_FILE, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
+    log = out / LOG_FILE
+    if log.is_file():  # steps after the checkpoint will run again: drop their records
+        kept = [x for x in log.read_text().splitlines() if json.loads(x)["step"] <= state["step"]]
+        log.write_text("".join(x + "\n" for x in kept))
     logger.info("Resuming from %s at step %d", ckpt, state["step"])
     return int(state["step"])
 
