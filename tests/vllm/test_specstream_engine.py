@@ -8,13 +8,39 @@ import pytest
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
-PROMPTS = [
-    "Write a SQL query that counts the rows of the table orders.",
-    "Hi",
-    "def fibonacci(n):\n    " * 3,
-    "List three colours.",
-    "CREATE TABLE t (a INTEGER)\nQuestion: what is the largest a?",
+WORDS = [
+    "select",
+    "the",
+    "name",
+    "from",
+    "table",
+    "where",
+    "id",
+    "equals",
+    "value",
+    "order",
+    "by",
+    "count",
+    "group",
+    "limit",
 ]
+
+
+def make_requests(n: int, seed: int) -> list[dict]:
+    """Prompts of varied length (2 to ~300 tokens), some with stop strings or max_tokens 1."""
+    import random
+
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        length = rng.choice([1, 3, 8, 20, 60, 150])
+        prompt = " ".join(rng.choice(WORDS) for _ in range(length))
+        req = {"prompt": prompt, "max_tokens": rng.choice([1, 8, 24, 40])}
+        if i % 5 == 0:
+            req["stop"] = ["e", "a"]  # frequent letters: generation really stops on them
+        requests.append(req)
+    return requests
+
 
 SCRIPT = """
 import json, sys
@@ -23,53 +49,84 @@ from vllm_specstream import speculative_config
 from vllm_specstream.cpu_env import cpu_engine_kwargs
 
 def main():
-    ckpt, spec, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    prompts = json.loads(sys.argv[4])
-    kw = cpu_engine_kwargs(dtype="float32", max_model_len=1024)
+    ckpt, spec = sys.argv[1], int(sys.argv[2])
+    engine, requests = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    kw = cpu_engine_kwargs(dtype="float32", max_model_len=1024, **engine)
     if spec:
         kw["speculative_config"] = speculative_config(spec)
     llm = LLM(model=ckpt, disable_log_stats=False, **kw)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
+              for r in requests]
+    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
     metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
                if "spec_decode" in m.name}
     print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                  "text": [o.outputs[0].text for o in outs],
                                   "metrics": metrics}))
 
 if __name__ == "__main__":
     main()
 """
 
+#: Engine settings of the lossless tests: defaults (prefix caching and chunked prefill on),
+#: and tiny prefill chunks so that long prompts are split over several steps.
+ENGINES = {
+    "default": {},
+    "chunked": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "enable_prefix_caching": True},
+}
 
-def run_engine(tmp_path, ckpt, spec: int, max_tokens: int = 32, prompts=PROMPTS):
+
+def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict]):
     script = tmp_path / f"engine_{spec}.py"
     script.write_text(SCRIPT)
     out = subprocess.run(
-        [sys.executable, str(script), str(ckpt), str(spec), str(max_tokens), json.dumps(prompts)],
+        [
+            sys.executable,
+            str(script),
+            str(ckpt),
+            str(spec),
+            json.dumps(engine),
+            json.dumps(requests),
+        ],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-6000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :]), out.stderr
+    return json.loads(line[len("RESULT ") :])
 
 
-@pytest.fixture(scope="module")
-def plain_run(tiny_merged, tmp_path_factory):
-    return run_engine(tmp_path_factory.mktemp("plain"), tiny_merged, 0)
+@pytest.fixture(scope="module", params=sorted(ENGINES))
+def runs(request, tiny_merged, tmp_path_factory):
+    """Plain and speculative runs of the same 32 requests (one batch: vLLM mixes prefill
+    and decode rows, and rows move as requests finish)."""
+    requests = make_requests(32, seed=len(request.param))
+    tmp = tmp_path_factory.mktemp(request.param)
+    engine = ENGINES[request.param]
+    return (
+        requests,
+        run_engine(tmp, tiny_merged, 0, engine, requests),
+        run_engine(tmp, tiny_merged, 3, engine, requests),
+    )
 
 
-@pytest.fixture(scope="module")
-def spec_run(tiny_merged, tmp_path_factory):
-    return run_engine(tmp_path_factory.mktemp("spec"), tiny_merged, 3)
+def test_greedy_is_token_identical_with_speculation(runs):
+    requests, plain, spec = runs
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["text"] == plain["text"]
+    # The request mix really has what it claims.
+    assert any(len(t) == 1 for t in plain["tokens"]) and any(len(t) >= 24 for t in plain["tokens"])
+    stopped = [
+        i
+        for i, r in enumerate(requests)
+        if "stop" in r and len(plain["tokens"][i]) < r["max_tokens"]
+    ]
+    assert stopped, "no request ended on a stop string"
 
 
-def test_greedy_is_token_identical_with_speculation(plain_run, spec_run):
-    assert spec_run[0]["tokens"] == plain_run[0]["tokens"]
-
-
-def test_drafts_are_proposed_and_counted(spec_run):
-    metrics = spec_run[0]["metrics"]
+def test_drafts_are_proposed_and_counted(runs):
+    metrics = runs[2]["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0, metrics
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
 
@@ -108,7 +165,7 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    prompts = PROMPTS[:3]
+    prompts = [r["prompt"] for r in make_requests(3, seed=1)]
     out = subprocess.run(
         [sys.executable, str(script), str(tiny_merged), str(max_tokens), json.dumps(prompts)],
         capture_output=True,
