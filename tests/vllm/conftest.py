@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 
-
-def make_tiny_merged(base_model_dir: Path, out: Path, num_streams: int = 3, seed: int = 0) -> Path:
+def make_tiny_merged(
+    base_model_dir: Path,
+    out: Path,
+    num_streams: int = 3,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+) -> Path:
     """A 4-layer Llama (head_dim 32, GQA) with SmolLM2's tokenizer, random LoRA and streams,
     exported with `specstream export --merge` semantics."""
     import torch
-    from tiny import tiny_llama
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from vllm_specstream.config import SpecStreamConfig
@@ -30,11 +33,11 @@ def make_tiny_merged(base_model_dir: Path, out: Path, num_streams: int = 3, seed
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(
         "llama",
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=32 * heads,
+        intermediate_size=64 * heads,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         vocab_size=49152,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
@@ -50,7 +53,6 @@ def make_tiny_merged(base_model_dir: Path, out: Path, num_streams: int = 3, seed
     lm.save_pretrained(base)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(base_model_dir / name, base / name)
-    del tiny_llama
     model = build_model(
         base,
         SpecStreamConfig(num_streams=num_streams, num_msa_layers=2),
@@ -64,3 +66,11 @@ def make_tiny_merged(base_model_dir: Path, out: Path, num_streams: int = 3, seed
 @pytest.fixture(scope="session")
 def tiny_merged(base_model_dir, tmp_path_factory) -> Path:
     return make_tiny_merged(base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-merged")
+
+
+@pytest.fixture(scope="session")
+def tiny_merged_tp3(base_model_dir, tmp_path_factory) -> Path:
+    """Six query heads and three key/value heads: shardable over 3 tensor-parallel ranks."""
+    return make_tiny_merged(
+        base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-tp3", heads=6, kv_heads=3
+    )

@@ -338,3 +338,16 @@ def test_sampling_with_speculation_matches_plain_sampling(tiny_merged, tmp_path)
         spec = [t[pos] for t in runs[3]]
         p = chi2_homogeneity_pvalue(plain, spec)
         assert p > 1e-3, (pos, p)
+
+
+def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, tmp_path, monkeypatch):
+    """TP 3 (multiprocessing executor): each rank runs the streams on its head shard and the
+    vocab-parallel LM head is gathered; greedy output equals one rank's, with and without
+    speculation."""
+    requests = make_requests(8, seed=3)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 3 ranks on a 2-core machine
+    tp3 = {"tensor_parallel_size": 3, "gpu_memory_utilization": 0.2}
+    single = run_engine(tmp_path, tiny_merged_tp3, 0, {}, requests)
+    spec_tp3 = run_engine(tmp_path, tiny_merged_tp3, 3, tp3, requests)
+    assert spec_tp3["tokens"] == single["tokens"]
+    assert spec_tp3["metrics"]["vllm:spec_decode_num_drafts"] > 0
