@@ -1,0 +1,132 @@
+"""Plain vLLM vs speculative streaming on one merged checkpoint: batch 1, greedy, same prompts.
+
+Prints output tokens/s (median over prompts) of each, their ratio (speedup), vLLM's
+tokens_per_step (1 + accepted drafts per drafting step) and whether outputs are identical.
+
+    .venv/bin/python benchmarks/specstream_bs1.py CKPT [--task sql] [-n 20] [--k 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from vllm_specstream.machine import describe_machine
+
+
+def child(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_specstream import speculative_config
+    from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.training.data import prompt_text
+    from vllm_specstream.training.tasks import build_task, to_example
+
+    tok = AutoTokenizer.from_pretrained(args.ckpt)
+    prompts = [
+        prompt_text(tok, to_example(args.task, r).messages)
+        for r in build_task(args.task, "test", n=args.n)
+    ]
+    kw = cpu_engine_kwargs(dtype=args.dtype)
+    if args.k:
+        kw["speculative_config"] = speculative_config(args.k)
+    llm = LLM(model=args.ckpt, disable_log_stats=False, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    before = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    rates, tokens, total_tokens, total_time = [], [], 0, 0.0
+    for p in prompts:
+        start = time.perf_counter()
+        out = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
+        elapsed = time.perf_counter() - start
+        rates.append(len(out.token_ids) / elapsed)
+        tokens.append(list(out.token_ids))
+        total_tokens += len(out.token_ids)
+        total_time += elapsed
+    after = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after if "spec_decode" in k}
+    drafts = d.get("vllm:spec_decode_num_drafts", 0)
+    accepted = d.get("vllm:spec_decode_num_accepted_tokens", 0)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "rates": rates,
+                "tokens": tokens,
+                "total_tokens": total_tokens,
+                "total_time": total_time,
+                "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
+                "drafts": drafts,
+            }
+        )
+    )
+
+
+def run(args: argparse.Namespace, k: int) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        args.ckpt,
+        "--child",
+        "--k",
+        str(k),
+        "--task",
+        args.task,
+        "-n",
+        str(args.n),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--dtype",
+        args.dtype,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-4000:])
+    return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ckpt")
+    parser.add_argument("--task", default="sql")
+    parser.add_argument("-n", type=int, default=20, help="test prompts")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    k = args.k
+    plain = run(args, 0)
+    spec = run(args, k)
+    med_plain, med_spec = statistics.median(plain["rates"]), statistics.median(spec["rates"])
+    result = {
+        "machine": describe_machine(),
+        "checkpoint": args.ckpt,
+        "setting": f"batch 1, greedy, max_tokens {args.max_tokens}, {args.n} {args.task} test prompts, "
+        f"{args.dtype}, eager",
+        "plain_tok_s_median": round(med_plain, 2),
+        "specstream_tok_s_median": round(med_spec, 2),
+        "speedup_median": round(med_spec / med_plain, 3),
+        "speedup_total": round(
+            (spec["total_tokens"] / spec["total_time"])
+            / (plain["total_tokens"] / plain["total_time"]),
+            3,
+        ),
+        "tokens_per_step": round(spec["tokens_per_step"], 3),
+        "num_speculative_tokens": k,
+        "lossless": spec["tokens"] == plain["tokens"],
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
