@@ -257,7 +257,7 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--base", help="base model dir for an adapter (default: the recorded one)")
     p.add_argument("-n", "--n", type=int, default=50, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree-top-k", type=int, default=2, help="candidates per stream in tree mode")
+    p.add_argument("--tree-top-k", type=int, default=2, help="candidates per stream in tree mode (0: chain only)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_eval)
 

@@ -65,7 +65,8 @@ def evaluate_checkpoint(
     tree_top_k: int = 2,
     progress: bool = True,
 ) -> dict:
-    """Greedy-decode every case with the chain and the tree decoder; report the SPEC metrics."""
+    """Greedy-decode every case with the chain (and, if ``tree_top_k > 1``, the tree) decoder;
+    report the SPEC metrics."""
     from tqdm.auto import tqdm
 
     from vllm_specstream.training.data import prompt_text
@@ -79,10 +80,11 @@ def evaluate_checkpoint(
             prompt_text(tokenizer, case.messages), add_special_tokens=False
         ).input_ids
         chain = speculative_generate(model, prompt, max_new_tokens, eos, top_k=1)
-        tree = speculative_generate(model, prompt, max_new_tokens, eos, top_k=tree_top_k)
-        mismatches += chain.tokens != tree.tokens
         chain_tokens, chain_steps = chain_tokens + len(chain.tokens) - 1, chain_steps + chain.steps
-        tree_tokens, tree_steps = tree_tokens + len(tree.tokens) - 1, tree_steps + tree.steps
+        if tree_top_k > 1:
+            tree = speculative_generate(model, prompt, max_new_tokens, eos, top_k=tree_top_k)
+            mismatches += chain.tokens != tree.tokens
+            tree_tokens, tree_steps = tree_tokens + len(tree.tokens) - 1, tree_steps + tree.steps
         predictions.append(tokenizer.decode(chain.tokens, skip_special_tokens=True).strip())
     metric, score = task_metric(task, predictions, [c.reference for c in cases])
     extra = sum(p.numel() for p in model.stream_parameters().values())
@@ -91,7 +93,7 @@ def evaluate_checkpoint(
         "num_prompts": len(cases),
         "tokens_per_step": {
             "chain": chain_tokens / max(1, chain_steps),
-            "tree": tree_tokens / max(1, tree_steps),
+            "tree": tree_tokens / tree_steps if tree_steps else None,
             "tree_top_k": tree_top_k,
         },
         metric: score,
