@@ -162,9 +162,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from vllm_specstream.training.evaluate import eval_cases, evaluate_checkpoint, load_any
 
     model = load_any(args.checkpoint, base=args.base)
-    tokenizer = AutoTokenizer.from_pretrained(
-        args.base or model.config.base_model or args.checkpoint
+    from vllm_specstream.training.checkpoint import resolve_base
+
+    ckpt = Path(args.checkpoint)
+    tokenizer_dir = (
+        ckpt
+        if (ckpt / "tokenizer.json").is_file()
+        else resolve_base(args.base or model.config.base_model, ckpt)
     )
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cases = eval_cases(args.task, args.prompts, args.n, args.seed)
     result = evaluate_checkpoint(
         model, tokenizer, args.task, cases, args.max_new_tokens, args.tree_top_k
@@ -257,7 +263,12 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--base", help="base model dir for an adapter (default: the recorded one)")
     p.add_argument("-n", "--n", type=int, default=50, help="number of prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree-top-k", type=int, default=2, help="candidates per stream in tree mode (0: chain only)")
+    p.add_argument(
+        "--tree-top-k",
+        type=int,
+        default=2,
+        help="candidates per stream in tree mode (0: chain only)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_eval)
 

@@ -77,6 +77,18 @@ def lora_layer_indices(layers: str, num_layers: int, num_msa_layers: int) -> lis
         ) from e
 
 
+def resolve_base(base: str | Path | None, where: Path) -> str:
+    """The base model directory: as given, or the embedded model when the adapter names it
+    (``base_model: "SmolLM2-135M-Instruct"``), converted on first use."""
+    from vllm_specstream.base_model import MODEL_NAME, prepare_base
+
+    if base is None:
+        raise ConfigError(f"{where}: base_model is not set; pass the base model path")
+    if not Path(base).exists() and Path(base).name == MODEL_NAME:
+        return str(prepare_base(progress=False))
+    return str(base)
+
+
 def load_base_lm(base: str | Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -174,11 +186,7 @@ def load_adapter(
     """Load an adapter checkpoint onto its base model (``base`` overrides the recorded one)."""
     adapter_dir = Path(adapter_dir)
     config = SpecStreamConfig.load(adapter_dir)
-    base = base or config.base_model
-    if base is None:
-        raise ConfigError(
-            f"{adapter_dir / CONFIG_FILE}: base_model is not set; pass the base model path"
-        )
+    base = resolve_base(base or config.base_model, adapter_dir / CONFIG_FILE)
     stream_file = adapter_dir / STREAM_FILE
     if not stream_file.is_file():
         raise ConfigError(f"{stream_file}: missing; the adapter has no stream tensors")
@@ -210,7 +218,7 @@ def export_merged(
     """Write a merged checkpoint that vLLM loads with the specstream plugin."""
     model = load_adapter(adapter_dir, base=base, dtype=torch.float32)
     lm = model.lm.merge_and_unload() if hasattr(model.lm, "merge_and_unload") else model.lm
-    base_dir = Path(base or model.config.base_model)
+    base_dir = Path(resolve_base(base or model.config.base_model, Path(adapter_dir) / CONFIG_FILE))
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -13,9 +13,14 @@ def _train_summary(adapter_dir: Path) -> tuple[dict, float | None]:
     wall = None
     log = adapter_dir / "train_log.jsonl"
     if log.is_file():
-        lines = log.read_text().splitlines()
-        if lines:
-            wall = json.loads(lines[-1]).get("elapsed_s")
+        # elapsed_s restarts with each (resumed) process: add up the segments.
+        wall, last = 0.0, 0.0
+        for line in log.read_text().splitlines():
+            elapsed = json.loads(line).get("elapsed_s", 0.0)
+            if elapsed < last:
+                wall += last
+            last = elapsed
+        wall += last
     return args, wall
 
 
@@ -52,7 +57,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules", []))} |
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
 | learning rates | LoRA {args["lr"]}, stream embeddings {args["stream_lr"]} |
-| wall time | {wall_text} on {describe_machine()} |
+| wall time | {wall_text} of training (sum over resumed runs; shared CPU) on {describe_machine()} |
 
 ## Measured on the held-out test split ({result["num_prompts"]} prompts, greedy)
 
