@@ -14,19 +14,35 @@ SUPPORTED_VLLM = ">=0.32.0,<0.33"
 #: The ``custom_class`` proposer that serves speculative-streaming drafts to vLLM.
 PROPOSER = "vllm_specstream.proposer.SpecStreamProposer"
 
+#: Proposers that pin where the streams run (``PROPOSER`` picks the faster on CPU).
+PLACEMENT_PROPOSERS = {
+    "window": "vllm_specstream.proposer.WindowSpecStreamProposer",
+    "accepted": "vllm_specstream.proposer.AcceptedSpecStreamProposer",
+}
 
-def speculative_config(num_speculative_tokens: int = 4, **options) -> dict:
+
+def speculative_config(
+    num_speculative_tokens: int = 4, placement: str | None = None, **options
+) -> dict:
     """The dict to pass as ``LLM(..., speculative_config=...)`` for a specstream checkpoint.
 
-    ``num_speculative_tokens`` may be at most the checkpoint's ``num_streams``; ``options``
+    ``num_speculative_tokens`` may be at most the checkpoint's ``num_streams``.
+    ``placement``: ``"window"`` (streams for every position of the verified window, inside
+    the forward: the paper's parallel design) or ``"accepted"`` (streams only at the last
+    accepted position, after rejection sampling); default: the faster on CPU. ``options``
     are further fields of vLLM's ``SpeculativeConfig``.
     """
+    if placement is not None and placement not in PLACEMENT_PROPOSERS:
+        raise ValueError(
+            f"speculative_config(placement={placement!r}): choose one of "
+            f"{sorted(PLACEMENT_PROPOSERS)} or leave it out"
+        )
     return {
         "method": "custom_class",
-        "model": PROPOSER,
+        "model": PLACEMENT_PROPOSERS[placement] if placement else PROPOSER,
         "num_speculative_tokens": num_speculative_tokens,
         **options,
     }
 
 
-__all__ = ["PROPOSER", "SUPPORTED_VLLM", "__version__", "speculative_config"]
+__all__ = ["PLACEMENT_PROPOSERS", "PROPOSER", "SUPPORTED_VLLM", "__version__", "speculative_config"]

@@ -24,6 +24,29 @@ def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spe
     return query_start + (num_tokens_no_spec - 2 - first_position)
 
 
+def anchor_rows(
+    sampled_token_ids: list[list[int]],
+    num_tokens_no_spec: np.ndarray,
+    query_start_loc: list[int],
+    first_positions: list[int],
+) -> tuple[list[int], list[int]]:
+    """Rows that sampled something and the flat index, in the last forward, of each one's
+    last accepted token (rows that sampled nothing, e.g. a partial prefill chunk, and
+    indices outside the row's scheduled tokens are left out)."""
+    rows: list[int] = []
+    indices: list[int] = []
+    for i, sampled in enumerate(sampled_token_ids):
+        if not sampled or i + 1 >= len(query_start_loc):
+            continue
+        idx = last_accepted_index(
+            query_start_loc[i], first_positions[i], int(num_tokens_no_spec[i])
+        )
+        if query_start_loc[i] <= idx < query_start_loc[i + 1]:
+            rows.append(i)
+            indices.append(idx)
+    return rows, indices
+
+
 def select_drafts(
     sampled_token_ids: list[list[int]],
     num_tokens_no_spec: np.ndarray,
@@ -34,24 +57,25 @@ def select_drafts(
 ) -> list[list[int]]:
     """Per request row: the stream drafts at its last accepted token (``[]`` for rows that
     sampled nothing, e.g. a partial prefill chunk, or whose anchor has no drafts)."""
-    drafts: list[list[int]] = []
-    for i, sampled in enumerate(sampled_token_ids):
-        if not sampled or i + 1 >= len(query_start_loc):
-            drafts.append([])
-            continue
-        idx = last_accepted_index(
-            query_start_loc[i], first_positions[i], int(num_tokens_no_spec[i])
-        )
-        if not query_start_loc[i] <= idx < query_start_loc[i + 1]:
-            drafts.append([])
-            continue
+    rows, indices = anchor_rows(
+        sampled_token_ids, num_tokens_no_spec, query_start_loc, first_positions
+    )
+    drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+    for i, idx in zip(rows, indices):
         row = [int(t) for t in draft_table[idx][:k]]
-        drafts.append([] if row and row[0] < 0 else row)
+        drafts[i] = [] if row and row[0] < 0 else row
     return drafts
 
 
 class SpecStreamProposer:
-    """Speculative streaming drafts for vLLM's ``custom_class`` speculative method."""
+    """Speculative streaming drafts for vLLM's ``custom_class`` speculative method.
+
+    ``placement`` says where the model runs the streams (see
+    :mod:`vllm_specstream.model_executor.specstream`); this class uses the faster one on
+    CPU, the subclasses below pin either.
+    """
+
+    placement = "accepted"
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
@@ -65,6 +89,7 @@ class SpecStreamProposer:
                 f"the specstream proposer needs a SpecStreamForCausalLM checkpoint, got "
                 f"{type(target_model).__name__}; export one with `specstream export --merge`"
             )
+        target_model.set_placement(self.placement)
         self.target = target_model
 
     def propose(
@@ -76,6 +101,22 @@ class SpecStreamProposer:
         batch = stash.batch
         qsl = batch.query_start_loc.tolist()
         first_positions = batch.positions[batch.query_start_loc[:-1]].tolist()
+        table = stash.draft_table
+        if self.placement == "accepted":
+            rows, indices = anchor_rows(sampled_token_ids, num_tokens_no_spec, qsl, first_positions)
+            table = self.target.draft_at(rows, indices)
         return select_drafts(
-            sampled_token_ids, num_tokens_no_spec, qsl, first_positions, stash.draft_table, self.k
+            sampled_token_ids, num_tokens_no_spec, qsl, first_positions, table, self.k
         )
+
+
+class WindowSpecStreamProposer(SpecStreamProposer):
+    """Streams at every window position inside the forward (the paper's parallel design)."""
+
+    placement = "window"
+
+
+class AcceptedSpecStreamProposer(SpecStreamProposer):
+    """Streams only at each request's last accepted position, after rejection sampling."""
+
+    placement = "accepted"

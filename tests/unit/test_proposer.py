@@ -1,10 +1,13 @@
 """The proposer's index logic: which row of the last forward holds each request's drafts."""
 
 import numpy as np
+import pytest
 import torch
 
-from vllm_specstream.model_executor.stream_forward import window_anchors
-from vllm_specstream.proposer import last_accepted_index, select_drafts
+from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
+from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.stream_forward import accepted_anchors, window_anchors
+from vllm_specstream.proposer import anchor_rows, last_accepted_index, select_drafts
 
 
 def test_last_accepted_index_decode_prefill_and_prefix_hit():
@@ -36,15 +39,37 @@ def test_select_drafts_without_anchor_or_out_of_window():
     assert drafts == [[], []]
 
 
-def test_window_anchors():
-    from vllm_specstream.model_executor.forward_batch import ForwardBatch
-
+def _batch() -> ForwardBatch:
     # Request 0: 6-token prefill; request 1: 4-token decode window; request 2: 1 token.
-    batch = ForwardBatch(
+    return ForwardBatch(
         query_start_loc=torch.tensor([0, 6, 10, 11]),
         seq_lens=torch.tensor([6, 20, 3]),
         block_table=torch.zeros(3, 1, dtype=torch.int32),
         positions=torch.arange(11),
     )
-    anchors = window_anchors(batch, max_anchors=4)
+
+
+def test_window_anchors():
+    anchors = window_anchors(_batch(), max_anchors=4)
     assert anchors.tolist() == [[2, 3, 4, 5], [6, 7, 8, 9], [10, -1, -1, -1]]
+
+
+def test_anchor_rows_feed_accepted_anchors():
+    """Placement "accepted": one anchor per request that sampled, at its last accepted token."""
+    sampled = [[7], [1, 2], []]  # request 2 sampled nothing (partial prefill chunk)
+    qsl, first_positions = [0, 6, 10, 11], [0, 16, 2]
+    num_tokens = np.array([7, 16 + 1 + 1 + 1, 0])  # request 1: root + 1 draft accepted
+    rows, indices = anchor_rows(sampled, num_tokens, qsl, first_positions)
+    assert (rows, indices) == ([0, 1], [5, 7])
+    assert accepted_anchors(_batch(), rows, indices).tolist() == [[5], [7], [-1]]
+    assert accepted_anchors(_batch(), [], []).tolist() == [[-1], [-1], [-1]]
+
+
+def test_speculative_config_placements():
+    assert speculative_config(3)["model"] == PROPOSER
+    assert speculative_config(3, placement="window")["model"] == PLACEMENT_PROPOSERS["window"]
+    with pytest.raises(ValueError, match="placement='middle'"):
+        speculative_config(3, placement="middle")
+    from vllm_specstream.proposer import SpecStreamProposer
+
+    assert SpecStreamProposer.placement in PLACEMENT_PROPOSERS

@@ -51,9 +51,10 @@ from vllm_specstream.cpu_env import cpu_engine_kwargs
 def main():
     ckpt, spec = sys.argv[1], int(sys.argv[2])
     engine, requests = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    placement = sys.argv[5] if len(sys.argv) > 5 else None
     kw = cpu_engine_kwargs(dtype="float32", max_model_len=1024, **engine)
     if spec:
-        kw["speculative_config"] = speculative_config(spec)
+        kw["speculative_config"] = speculative_config(spec, placement=placement)
     llm = LLM(model=ckpt, disable_log_stats=False, **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
               for r in requests]
@@ -76,7 +77,7 @@ ENGINES = {
 }
 
 
-def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict]):
+def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict], placement=None):
     script = tmp_path / f"engine_{spec}.py"
     script.write_text(SCRIPT)
     out = subprocess.run(
@@ -87,6 +88,7 @@ def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict]):
             str(spec),
             json.dumps(engine),
             json.dumps(requests),
+            *([placement] if placement else []),
         ],
         capture_output=True,
         text=True,
@@ -97,22 +99,25 @@ def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict]):
     return json.loads(line[len("RESULT ") :])
 
 
+PLACEMENTS = ("window", "accepted")
+
+
 @pytest.fixture(scope="module", params=sorted(ENGINES))
 def runs(request, tiny_merged, tmp_path_factory):
-    """Plain and speculative runs of the same 32 requests (one batch: vLLM mixes prefill
-    and decode rows, and rows move as requests finish)."""
+    """Plain and speculative runs (both stream placements) of the same 32 requests (one
+    batch: vLLM mixes prefill and decode rows, and rows move as requests finish)."""
     requests = make_requests(32, seed=len(request.param))
     tmp = tmp_path_factory.mktemp(request.param)
     engine = ENGINES[request.param]
-    return (
-        requests,
-        run_engine(tmp, tiny_merged, 0, engine, requests),
-        run_engine(tmp, tiny_merged, 3, engine, requests),
-    )
+    plain = run_engine(tmp, tiny_merged, 0, engine, requests)
+    spec = {p: run_engine(tmp, tiny_merged, 3, engine, requests, p) for p in PLACEMENTS}
+    return requests, plain, spec
 
 
-def test_greedy_is_token_identical_with_speculation(runs):
-    requests, plain, spec = runs
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_greedy_is_token_identical_with_speculation(runs, placement):
+    requests, plain, specs = runs
+    spec = specs[placement]
     assert spec["tokens"] == plain["tokens"]
     assert spec["text"] == plain["text"]
     # The request mix really has what it claims.
@@ -125,10 +130,12 @@ def test_greedy_is_token_identical_with_speculation(runs):
     assert stopped, "no request ended on a stop string"
 
 
-def test_drafts_are_proposed_and_counted(runs):
-    metrics = runs[2]["metrics"]
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_drafts_are_proposed_and_counted(runs, placement):
+    metrics = runs[2][placement]["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0, metrics
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0, metrics
 
 
 PROBE = """
@@ -140,8 +147,8 @@ from vllm_specstream.model_executor.specstream import stash_snapshot
 
 def main():
     ckpt, n = sys.argv[1], int(sys.argv[2])
-    prompts = json.loads(sys.argv[3])
-    llm = LLM(model=ckpt, speculative_config=speculative_config(3),
+    prompts, placement = json.loads(sys.argv[3]), sys.argv[4]
+    llm = LLM(model=ckpt, speculative_config=speculative_config(3, placement=placement),
               **cpu_engine_kwargs(dtype="float32", max_model_len=1024))
     results = []
     for prompt in prompts:  # one request at a time: the last forward is that request's
@@ -156,11 +163,15 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("max_tokens", [1, 9])
-def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, max_tokens):
+def test_stream_drafts_equal_the_training_implementation(
+    tiny_merged, tmp_path, max_tokens, placement
+):
     """The streams vLLM computes over its paged cache give the same top-1 tokens as the
     training wrapper on the same checkpoint, at every anchor of the last forward: the
-    prefill's last token (max_tokens=1) and a decode window with rejected drafts (9)."""
+    prefill's last token (max_tokens=1) and a decode window with rejected drafts (9); with
+    placement "accepted" the one anchor is the last accepted token."""
     import torch
 
     from vllm_specstream.training.checkpoint import load_merged
@@ -169,7 +180,14 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
     script.write_text(PROBE)
     prompts = [r["prompt"] for r in make_requests(3, seed=1)]
     out = subprocess.run(
-        [sys.executable, str(script), str(tiny_merged), str(max_tokens), json.dumps(prompts)],
+        [
+            sys.executable,
+            str(script),
+            str(tiny_merged),
+            str(max_tokens),
+            json.dumps(prompts),
+            placement,
+        ],
         capture_output=True,
         text=True,
         timeout=900,
@@ -194,7 +212,7 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
                 want = model.lm_head(ref.stream_hidden[0, 0]).argmax(-1).tolist()
             assert table[i] == want, (i, t)
             checked += 1
-    assert checked >= (3 if max_tokens == 1 else 4)
+    assert checked >= (3 if max_tokens == 1 or placement == "accepted" else 4)
 
 
 ERROR_SCRIPT = """

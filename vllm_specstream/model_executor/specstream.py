@@ -4,8 +4,16 @@ The main stream is the base architecture's vLLM model, unchanged: same modules, 
 paged attention, same outputs (served without speculation it is exactly the fine-tuned
 model). On top, the model asks the decoder for the residual stream entering layer
 ``L0 = N - num_msa_layers`` (vLLM's aux-hidden-state hook) and, when speculative decoding
-is on, runs the streams for every window position after the main forward and stashes their
-top-1 tokens for :class:`vllm_specstream.proposer.SpecStreamProposer`.
+is on, runs the streams and stashes their top-1 tokens for
+:class:`vllm_specstream.proposer.SpecStreamProposer`. Where the streams run is the
+*placement*, chosen by the proposer:
+
+* ``"window"`` (the paper's parallel design): inside the forward, for every position of each
+  request's scheduled window ``[root, d1..dk]`` (and the last token of a completed prefill);
+  the proposer then picks the row of the last accepted token.
+* ``"accepted"``: the forward only keeps the residual stream; after rejection sampling the
+  proposer asks for the streams at each request's last accepted position (``draft_at``):
+  ``k + 1`` times fewer stream rows, one more pass over the top layers.
 
 Base architectures are mapped in :data:`BASE_CLASSES`; a new family (OPT, Phi) needs its
 vLLM class there and, if its layers differ from Llama's, a layer adapter in
@@ -27,12 +35,20 @@ from vllm_specstream.model_executor.forward_batch import (
     attention_layer_name,
     current_forward_batch,
 )
-from vllm_specstream.model_executor.stream_forward import StreamParams, StreamRunner
+from vllm_specstream.model_executor.stream_forward import (
+    StreamParams,
+    StreamRunner,
+    accepted_anchors,
+    window_anchors,
+)
 
 logger = init_logger(__name__)
 
 #: Base architectures (``config.json: specstream.base_architectures``) served by this class.
 BASE_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+#: Where the streams run (see the module docstring).
+PLACEMENTS = ("window", "accepted")
 
 
 @dataclass
@@ -45,6 +61,9 @@ class StreamStash:
     """``[num_tokens]`` the scheduled tokens of the forward."""
     draft_table: torch.Tensor
     """``[num_tokens, G]`` top-1 stream tokens of each anchor token; -1 elsewhere."""
+    msa_input: torch.Tensor | None = None
+    """``[num_tokens, h]`` residual stream entering L0, kept until ``draft_at`` (placement
+    ``"accepted"``)."""
 
 
 def read_specstream_section(hf_config) -> SpecStreamConfig:
@@ -88,6 +107,13 @@ class SpecStreamForCausalLM(LlamaForCausalLM):
         self._runner: StreamRunner | None = None
         self.stash: StreamStash | None = None
         self._step = 0
+        #: Set by the proposer in ``load_model``.
+        self.placement = "window"
+
+    def set_placement(self, placement: str) -> None:
+        if placement not in PLACEMENTS:
+            raise ConfigError(f"stream placement must be one of {PLACEMENTS}, got {placement!r}")
+        self.placement = placement
 
     def load_weights(self, weights):
         """The base loader, plus checks that every stream tensor came with the right shape
@@ -121,26 +147,43 @@ class SpecStreamForCausalLM(LlamaForCausalLM):
             return out
         hidden, aux = out
         if self.num_speculative_tokens > 0:
-            self._draft(aux[0], positions, input_ids)
+            self._after_main(aux[0], positions, input_ids)
         return hidden
 
-    def _draft(self, msa_input: torch.Tensor, positions: torch.Tensor, input_ids) -> None:
+    def _after_main(self, msa_input: torch.Tensor, positions: torch.Tensor, input_ids) -> None:
         batch = current_forward_batch(self._layer_name, positions)
         if batch is None:
             return
+        self._step += 1
+        table = torch.full((positions.shape[0], self.spec_config.num_streams), -1, dtype=torch.long)
+        ids = input_ids[: positions.shape[0]].clone() if input_ids is not None else None
+        self.stash = StreamStash(self._step, batch, ids, table)
+        if self.placement == "window":
+            self._run_streams(msa_input, window_anchors(batch, self.num_speculative_tokens + 1))
+        else:
+            self.stash.msa_input = msa_input
+
+    def draft_at(self, rows: list[int], indices: list[int]) -> torch.Tensor:
+        """Placement ``"accepted"``: runs the streams at flat token ``indices[i]`` of request
+        row ``rows[i]`` of the last forward; returns the stash's draft table. Every
+        tensor-parallel rank must call it with the same arguments (the layers all-reduce)."""
+        stash = self.stash
+        if stash.msa_input is not None:
+            self._run_streams(stash.msa_input, accepted_anchors(stash.batch, rows, indices))
+            stash.msa_input = None
+        return stash.draft_table
+
+    def _run_streams(self, msa_input: torch.Tensor, anchors: torch.Tensor) -> None:
+        """Stream top-1 tokens at ``anchors`` (``[R, A]``) into the stash's draft table."""
         if self._runner is None:
             self._runner = StreamRunner(self, self.specstream, self.spec_config)
-        self._step += 1
-        hidden, anchors = self._runner(msa_input, batch, self.num_speculative_tokens + 1)
-        g = self.spec_config.num_streams
+        hidden = self._runner(msa_input, self.stash.batch, anchors)
         valid = anchors >= 0
-        table = torch.full((positions.shape[0], g), -1, dtype=torch.long)
         if bool(valid.any()):
             logits = self.compute_logits(hidden[valid].reshape(-1, hidden.shape[-1]))
             if logits is not None:  # None on tensor-parallel ranks other than the first
-                table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)
-        ids = input_ids[: positions.shape[0]].clone() if input_ids is not None else None
-        self.stash = StreamStash(self._step, batch, ids, table)
+                g = self.spec_config.num_streams
+                self.stash.draft_table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)
 
 
 def stash_snapshot(model) -> dict | None:

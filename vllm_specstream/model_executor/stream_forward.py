@@ -1,7 +1,8 @@
 """The speculative streams inside vLLM: top ``num_msa_layers`` layers over the paged KV cache.
 
 For every anchor (each position of a request's scheduled window, at most ``k + 1`` per
-request), the ``num_streams`` streams start as ``f(M[t]) + P[j]`` from the residual stream
+request, or only the last accepted position of each request, see
+:mod:`vllm_specstream.model_executor.specstream`), the ``num_streams`` streams start as ``f(M[t]) + P[j]`` from the residual stream
 entering layer L0 and go through vLLM's own layer modules. In attention they read the main
 stream's keys/values at positions ``<= t`` from the paged cache (after this step's writes)
 and their own anchor's streams ``<= j``; nothing of the streams is written to the cache.
@@ -17,7 +18,12 @@ from torch import nn
 from vllm_specstream.config import SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
-from vllm_specstream.stream_math import init_streams, multi_stream_attention, stream_position_ids
+from vllm_specstream.stream_math import (
+    anchor_main_mask,
+    init_streams,
+    multi_stream_attention,
+    stream_position_ids,
+)
 
 Tensor = torch.Tensor
 
@@ -33,6 +39,15 @@ def window_anchors(batch: ForwardBatch, max_anchors: int) -> Tensor:
     offsets = torch.arange(a)[None, :] - counts[:, None]  # negative offsets from each end
     idx = ends[:, None] + offsets
     return torch.where(offsets < 0, idx, torch.full_like(idx, -1)) if a else idx
+
+
+def accepted_anchors(batch: ForwardBatch, rows: list[int], indices: list[int]) -> Tensor:
+    """``[R, 1]`` flat token index of one anchor per request (``rows[i]`` gets
+    ``indices[i]``); -1 for requests without one."""
+    anchors = torch.full((batch.num_reqs, 1), -1, dtype=torch.long)
+    if rows:
+        anchors[torch.tensor(rows), 0] = torch.tensor(indices, dtype=torch.long)
+    return anchors
 
 
 class StreamParams(nn.Module):
@@ -87,11 +102,9 @@ class StreamRunner:
         return k, v
 
     @torch.no_grad()
-    def __call__(
-        self, msa_input: Tensor, batch: ForwardBatch, max_anchors: int
-    ) -> tuple[Tensor, Tensor]:
-        """Stream hidden states after the final norm ``[R, A, G, h]`` and the anchors ``[R, A]``."""
-        anchors = window_anchors(batch, max_anchors)
+    def __call__(self, msa_input: Tensor, batch: ForwardBatch, anchors: Tensor) -> Tensor:
+        """Stream hidden states after the final norm, ``[R, A, G, h]``, at ``anchors``
+        (``[R, A]`` flat token indices into ``msa_input``, -1 pads)."""
         valid = anchors >= 0
         idx = anchors.clamp(min=0)
         g = self.config.num_streams
@@ -105,9 +118,7 @@ class StreamRunner:
         p_max = int(ctx_len.max())
         context = torch.arange(p_max)[None, :].expand(r, p_max)
         context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
-        main_mask = (torch.arange(p_max)[None, None, :] <= anchor_pos[:, :, None]) & valid[
-            ..., None
-        ]
+        main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
         flat_pos = s_pos.flatten()
         for layer in self.layers:
             attn = layer.self_attn
@@ -125,4 +136,4 @@ class StreamRunner:
             out, _ = attn.o_proj(o)
             s = s + out.view_as(s)
             s = s + layer.mlp(layer.post_attention_layernorm(s.view(-1, s.shape[-1]))).view_as(s)
-        return self.model.model.norm(s.view(-1, s.shape[-1])).view_as(s), anchors
+        return self.model.model.norm(s.view(-1, s.shape[-1])).view_as(s)
