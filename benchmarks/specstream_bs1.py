@@ -1,9 +1,12 @@
 """Plain vLLM vs speculative streaming on one merged checkpoint: batch 1, greedy, same prompts.
 
-Prints output tokens/s (median over prompts) of each, their ratio (speedup), vLLM's
+For each dtype, runs plain decoding and specstream with each stream placement (one engine
+each, the same prompts one at a time) and prints output tokens/s (median over prompts), the
+speedup over plain decoding of the same dtype and over the fastest plain run, vLLM's
 tokens_per_step (1 + accepted drafts per drafting step) and whether outputs are identical.
 
     .venv/bin/python benchmarks/specstream_bs1.py CKPT [--task sql] [-n 20] [--k 4]
+        [--dtypes float32,bfloat16] [--placements window,accepted] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def child(args: argparse.Namespace) -> None:
     ]
     kw = cpu_engine_kwargs(dtype=args.dtype)
     if args.k:
-        kw["speculative_config"] = speculative_config(args.k)
+        kw["speculative_config"] = speculative_config(args.k, placement=args.placement)
     llm = LLM(model=args.ckpt, disable_log_stats=False, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
@@ -68,23 +71,11 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def run(args: argparse.Namespace, k: int) -> dict:
-    cmd = [
-        sys.executable,
-        __file__,
-        args.ckpt,
-        "--child",
-        "--k",
-        str(k),
-        "--task",
-        args.task,
-        "-n",
-        str(args.n),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--dtype",
-        args.dtype,
-    ]
+def run(args: argparse.Namespace, k: int, dtype: str, placement: str | None) -> dict:
+    cmd = [sys.executable, __file__, args.ckpt, "--child", "--k", str(k), "--task", args.task]
+    cmd += ["-n", str(args.n), "--max-tokens", str(args.max_tokens), "--dtype", dtype]
+    if placement:
+        cmd += ["--placement", placement]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
     if out.returncode != 0:
         raise SystemExit(out.stderr[-4000:])
@@ -98,34 +89,57 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=20, help="test prompts")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    parser.add_argument("--placements", default="window,accepted", help="comma-separated")
+    parser.add_argument("--json", help="also write the result here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="bfloat16", help=argparse.SUPPRESS)
+    parser.add_argument("--placement", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
-    k = args.k
-    plain = run(args, 0)
-    spec = run(args, k)
-    med_plain, med_spec = statistics.median(plain["rates"]), statistics.median(spec["rates"])
+    rows = []
+    for dtype in args.dtypes.split(","):
+        plain = run(args, 0, dtype, None)
+        rows.append({"dtype": dtype, "mode": "plain", **_summary(plain, plain)})
+        for placement in args.placements.split(","):
+            spec = run(args, args.k, dtype, placement)
+            rows.append(
+                {"dtype": dtype, "mode": f"specstream/{placement}", **_summary(spec, plain)}
+            )
+    best_plain = max(r["tok_s_median"] for r in rows if r["mode"] == "plain")
+    for r in rows:
+        r["speedup_vs_fastest_plain"] = round(r["tok_s_median"] / best_plain, 3)
     result = {
         "machine": describe_machine(),
         "checkpoint": args.ckpt,
-        "setting": f"batch 1, greedy, max_tokens {args.max_tokens}, {args.n} {args.task} test prompts, "
-        f"{args.dtype}, eager",
-        "plain_tok_s_median": round(med_plain, 2),
-        "specstream_tok_s_median": round(med_spec, 2),
-        "speedup_median": round(med_spec / med_plain, 3),
-        "speedup_total": round(
-            (spec["total_tokens"] / spec["total_time"])
-            / (plain["total_tokens"] / plain["total_time"]),
-            3,
-        ),
-        "tokens_per_step": round(spec["tokens_per_step"], 3),
-        "num_speculative_tokens": k,
-        "lossless": spec["tokens"] == plain["tokens"],
+        "setting": f"batch 1, greedy, max_tokens {args.max_tokens}, {args.n} {args.task} test "
+        f"prompts, eager, num_speculative_tokens {args.k}",
+        "rows": rows,
     }
+    print(f"{'dtype':9} {'mode':22} {'tok/s':>7} {'speedup':>8} {'vs best':>8} {'tps':>6} lossless")
+    for r in rows:
+        print(
+            f"{r['dtype']:9} {r['mode']:22} {r['tok_s_median']:7.2f} {r['speedup_median']:8.3f} "
+            f"{r['speedup_vs_fastest_plain']:8.3f} {r['tokens_per_step']:6.3f} {r['lossless']}"
+        )
     print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def _summary(run_: dict, plain: dict) -> dict:
+    """Median tok/s, speedup over ``plain`` (same dtype), tokens_per_step, identical outputs."""
+    med, med_plain = statistics.median(run_["rates"]), statistics.median(plain["rates"])
+    return {
+        "tok_s_median": round(med, 2),
+        "speedup_median": round(med / med_plain, 3),
+        "tok_s_total": round(run_["total_tokens"] / run_["total_time"], 2),
+        "tokens_per_step": round(run_["tokens_per_step"], 3),
+        "lossless": run_["tokens"] == plain["tokens"],
+    }
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ def make_tiny_merged(
     seed: int = 0,
     heads: int = 4,
     kv_heads: int = 2,
+    model_type: str = "llama",
 ) -> Path:
-    """A 4-layer Llama (head_dim 32, GQA) with SmolLM2's tokenizer, random LoRA and streams,
-    exported with `specstream export --merge` semantics."""
+    """A 4-layer Llama (or ``model_type``: qwen2) with head_dim 32 and GQA, SmolLM2's
+    tokenizer, random LoRA and streams, exported with `specstream export --merge` semantics."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -32,7 +33,7 @@ def make_tiny_merged(
     base = out.with_name(out.name + "-base")
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(
-        "llama",
+        model_type,
         hidden_size=32 * heads,
         intermediate_size=64 * heads,
         num_hidden_layers=4,
@@ -47,8 +48,8 @@ def make_tiny_merged(
     )
     lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        for p in lm.parameters():
-            if p.dim() == 2:
+        for name, p in lm.named_parameters():
+            if p.dim() == 2 or name.endswith("bias"):  # qwen2 has biased q/k/v
                 p.normal_(0, 0.15)
     lm.save_pretrained(base)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -73,4 +74,11 @@ def tiny_merged_tp3(base_model_dir, tmp_path_factory) -> Path:
     """Six query heads and three key/value heads: shardable over 3 tensor-parallel ranks."""
     return make_tiny_merged(
         base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-tp3", heads=6, kv_heads=3
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_merged_qwen2(base_model_dir, tmp_path_factory) -> Path:
+    return make_tiny_merged(
+        base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-qwen2", model_type="qwen2"
     )

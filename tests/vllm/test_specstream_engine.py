@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,15 +56,19 @@ def main():
     kw = cpu_engine_kwargs(dtype="float32", max_model_len=1024, **engine)
     if spec:
         kw["speculative_config"] = speculative_config(spec, placement=placement)
+        kw["per_request_spec_decode_metrics"] = "summary"
     llm = LLM(model=ckpt, disable_log_stats=False, **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
               for r in requests]
     outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
     metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
                if "spec_decode" in m.name}
+    per_request = [o.outputs[0].spec_decode_metrics for o in outs]
     print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                   "text": [o.outputs[0].text for o in outs],
-                                  "metrics": metrics}))
+                                  "metrics": metrics,
+                                  "per_request": [m.to_dict() if m else None
+                                                  for m in per_request]}))
 
 if __name__ == "__main__":
     main()
@@ -135,7 +140,58 @@ def test_drafts_are_proposed_and_counted(runs, placement):
     metrics = runs[2][placement]["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0, metrics
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
-    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0, metrics
+
+
+DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm2-ss4"
+
+
+@pytest.fixture(scope="module")
+def demo_runs(base_model_dir, tmp_path_factory):
+    """The committed demo adapter merged onto the embedded model (fp32), plain and
+    speculative, on 32 SQL test prompts in one batch."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from vllm_specstream.training.checkpoint import export_merged
+    from vllm_specstream.training.data import prompt_text
+    from vllm_specstream.training.tasks import build_task, to_example
+
+    tmp = tmp_path_factory.mktemp("demo")
+    ckpt = export_merged(DEMO_ADAPTER, tmp / "merged", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    requests = [
+        {"prompt": prompt_text(tok, to_example("sql", r).messages), "max_tokens": 64}
+        for r in build_task("sql", "test", n=32)
+    ]
+    plain = run_engine(tmp, ckpt, 0, {}, requests)
+    return plain, run_engine(tmp, ckpt, 4, {}, requests)
+
+
+def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
+    """A trained checkpoint: outputs identical to plain decoding over 32 prompts, and the
+    streams' drafts are mostly accepted (reference decoder: ~2.8 tokens per step)."""
+    plain, spec = demo_runs
+    assert spec["tokens"] == plain["tokens"]
+    metrics = spec["metrics"]
+    tokens_per_step = 1 + (
+        metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
+    )
+    assert tokens_per_step > 2.0, metrics
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 4 and per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0
+
+
+def test_per_request_metrics_add_up_to_the_engine_counters(demo_runs):
+    """vLLM's per-request acceptance metrics (``per_request_spec_decode_metrics``) are
+    reported for every request and sum to the engine-wide counters."""
+    spec = demo_runs[1]
+    per_request, metrics = spec["per_request"], spec["metrics"]
+    assert all(m is not None for m in per_request)
+    accepted = sum(m["num_accepted_draft_tokens"] for m in per_request)
+    assert accepted == metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert sum(m["num_spec_steps"] for m in per_request) == metrics["vllm:spec_decode_num_drafts"]
+    assert all(1.0 <= m["mean_acceptance_length"] <= 5.0 for m in per_request)
+    assert sum(m["mean_acceptance_length"] > 1.5 for m in per_request) >= len(per_request) // 2
 
 
 PROBE = """
@@ -346,6 +402,18 @@ def test_sampling_with_speculation_matches_plain_sampling(tiny_merged, tmp_path)
         spec = [t[pos] for t in runs[3]]
         p = chi2_homogeneity_pvalue(plain, spec)
         assert p > 1e-3, (pos, p)
+
+
+def test_qwen2_base_is_served_losslessly(tiny_merged_qwen2, tmp_path):
+    """A Qwen2 base (biased q/k/v) gets its own model class; greedy output is unchanged by
+    speculation and the streams' drafts are accepted."""
+    cfg = json.loads((tiny_merged_qwen2 / "config.json").read_text())
+    assert cfg["specstream"]["base_architectures"] == ["Qwen2ForCausalLM"]
+    requests = make_requests(12, seed=4)
+    plain = run_engine(tmp_path, tiny_merged_qwen2, 0, {}, requests)
+    spec = run_engine(tmp_path, tiny_merged_qwen2, 3, {}, requests)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0
 
 
 def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, tmp_path, monkeypatch):

@@ -15,9 +15,10 @@ is on, runs the streams and stashes their top-1 tokens for
   proposer asks for the streams at each request's last accepted position (``draft_at``):
   ``k + 1`` times fewer stream rows, one more pass over the top layers.
 
-Base architectures are mapped in :data:`BASE_CLASSES`; a new family (OPT, Phi) needs its
-vLLM class there and, if its layers differ from Llama's, a layer adapter in
-``stream_forward``.
+``SpecStreamForCausalLM`` (the registered architecture of every merged checkpoint) builds
+the class of the checkpoint's base family from :data:`FAMILIES`: the :class:`SpecStreamMixin`
+over that family's vLLM model. A new family (OPT, Phi) is one more entry there plus, if its
+decoder layers differ from Llama's, a layer adapter in ``stream_forward``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.logger import init_logger
@@ -44,8 +46,8 @@ from vllm_specstream.model_executor.stream_forward import (
 
 logger = init_logger(__name__)
 
-#: Base architectures (``config.json: specstream.base_architectures``) served by this class.
-BASE_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM")
+#: Base architectures (``config.json: specstream.base_architectures``) that can be served.
+BASE_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 #: Where the streams run (see the module docstring).
 PLACEMENTS = ("window", "accepted")
@@ -66,27 +68,38 @@ class StreamStash:
     ``"accepted"``)."""
 
 
-def read_specstream_section(hf_config) -> SpecStreamConfig:
+def _section(hf_config) -> dict:
     section = getattr(hf_config, "specstream", None)
     if not isinstance(section, dict):
         raise ConfigError(
             "config.json: architectures is ['SpecStreamForCausalLM'] but there is no "
             "'specstream' section; export the checkpoint with `specstream export --merge`"
         )
-    section = dict(section)
-    base = section.pop("base_architectures", None)
+    return dict(section)
+
+
+def base_architecture(hf_config) -> str:
+    """The checkpoint's base architecture (``specstream.base_architectures[0]``), checked."""
+    base = _section(hf_config).get("base_architectures")
     if not base or base[0] not in BASE_CLASSES:
         raise ConfigError(
             f"config.json: specstream.base_architectures is {base!r}; vllm-specstream serves "
             f"{list(BASE_CLASSES)}"
         )
+    return base[0]
+
+
+def read_specstream_section(hf_config) -> SpecStreamConfig:
+    base_architecture(hf_config)
+    section = _section(hf_config)
+    section.pop("base_architectures", None)
     config = SpecStreamConfig.from_dict(section, where="config.json (specstream)")
     config.validate(hf_config.num_hidden_layers, where="config.json (specstream)")
     return config
 
 
-class SpecStreamForCausalLM(LlamaForCausalLM):
-    """A Llama-family model with speculative streams (registered as ``SpecStreamForCausalLM``)."""
+class SpecStreamMixin:
+    """Speculative streams over a vLLM causal-LM class (mixed in before it)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -184,6 +197,33 @@ class SpecStreamForCausalLM(LlamaForCausalLM):
             if logits is not None:  # None on tensor-parallel ranks other than the first
                 g = self.spec_config.num_streams
                 self.stash.draft_table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)
+
+
+class SpecStreamLlamaForCausalLM(SpecStreamMixin, LlamaForCausalLM):
+    """Llama, Mistral and SmolLM bases."""
+
+
+class SpecStreamQwen2ForCausalLM(SpecStreamMixin, Qwen2ForCausalLM):
+    """Qwen2 bases (biased q/k/v projections)."""
+
+
+#: vLLM model class per base architecture.
+FAMILIES: dict[str, type] = {
+    "LlamaForCausalLM": SpecStreamLlamaForCausalLM,
+    "MistralForCausalLM": SpecStreamLlamaForCausalLM,
+    "Qwen2ForCausalLM": SpecStreamQwen2ForCausalLM,
+}
+
+
+class SpecStreamForCausalLM(SpecStreamLlamaForCausalLM):
+    """The architecture vLLM resolves for every merged checkpoint: constructs the class of the
+    checkpoint's base family (a Llama-family base gets this class itself)."""
+
+    def __new__(cls, *, vllm_config: VllmConfig, prefix: str = ""):
+        family = FAMILIES[base_architecture(vllm_config.model_config.hf_config)]
+        if cls is SpecStreamForCausalLM and family is not SpecStreamLlamaForCausalLM:
+            return family(vllm_config=vllm_config, prefix=prefix)
+        return super().__new__(cls)
 
 
 def stash_snapshot(model) -> dict | None:

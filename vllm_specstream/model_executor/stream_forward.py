@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.stream_math import (
@@ -77,6 +77,11 @@ class StreamRunner:
         layers = model.model.layers
         self.first_msa_layer = len(layers) - config.num_msa_layers
         self.layers = list(layers)[self.first_msa_layer :]
+        if any(getattr(layer.self_attn, "qk_norm", False) for layer in self.layers):
+            raise ConfigError(
+                "the base model normalises queries/keys per head (qk_norm); the stream "
+                "layers do not implement it yet"
+            )
         self._layouts: dict[int, PagedKVLayout] = {}
 
     def _layout(self, attn, kv_cache: Tensor) -> PagedKVLayout:
