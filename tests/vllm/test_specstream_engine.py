@@ -53,7 +53,7 @@ def main():
     ckpt, spec = sys.argv[1], int(sys.argv[2])
     engine, requests = json.loads(sys.argv[3]), json.loads(sys.argv[4])
     placement = sys.argv[5] if len(sys.argv) > 5 else None
-    kw = cpu_engine_kwargs(dtype="float32", max_model_len=1024, **engine)
+    kw = cpu_engine_kwargs(**{"dtype": "float32", "max_model_len": 1024, **engine})
     if spec:
         kw["speculative_config"] = speculative_config(spec, placement=placement)
         kw["per_request_spec_decode_metrics"] = "summary"
@@ -62,7 +62,7 @@ def main():
               for r in requests]
     outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
     metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
-               if "spec_decode" in m.name}
+               if "spec_decode" in m.name or "preemptions" in m.name}
     per_request = [o.outputs[0].spec_decode_metrics for o in outs]
     print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                                   "text": [o.outputs[0].text for o in outs],
@@ -75,10 +75,18 @@ if __name__ == "__main__":
 """
 
 #: Engine settings of the lossless tests: defaults (prefix caching and chunked prefill on),
-#: and tiny prefill chunks so that long prompts are split over several steps.
+#: and tiny prefill chunks with a KV cache of ~400 tokens, so that long prompts are split
+#: over several steps and requests are preempted and recomputed mid-generation.
 ENGINES = {
     "default": {},
-    "chunked": {"max_num_batched_tokens": 64, "max_num_seqs": 8, "enable_prefix_caching": True},
+    "chunked": {
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 16,
+        "enable_prefix_caching": True,
+        "max_model_len": 384,
+        "block_size": 32,
+        "num_gpu_blocks_override": 13,
+    },
 }
 
 
@@ -105,6 +113,8 @@ def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict], pl
 
 
 PLACEMENTS = ("window", "accepted")
+#: Placements run per engine setting (the default placement everywhere).
+ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("accepted",)}
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINES))
@@ -115,14 +125,21 @@ def runs(request, tiny_merged, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     engine = ENGINES[request.param]
     plain = run_engine(tmp, tiny_merged, 0, engine, requests)
-    spec = {p: run_engine(tmp, tiny_merged, 3, engine, requests, p) for p in PLACEMENTS}
+    placements = ENGINE_PLACEMENTS[request.param]
+    spec = {p: run_engine(tmp, tiny_merged, 3, engine, requests, p) for p in placements}
     return requests, plain, spec
+
+
+def _spec_run(runs, placement) -> dict:
+    if placement not in runs[2]:
+        pytest.skip(f"placement {placement} is run with the default engine settings only")
+    return runs[2][placement]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_greedy_is_token_identical_with_speculation(runs, placement):
-    requests, plain, specs = runs
-    spec = specs[placement]
+    requests, plain, _ = runs
+    spec = _spec_run(runs, placement)
     assert spec["tokens"] == plain["tokens"]
     assert spec["text"] == plain["text"]
     # The request mix really has what it claims.
@@ -137,9 +154,17 @@ def test_greedy_is_token_identical_with_speculation(runs, placement):
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_drafts_are_proposed_and_counted(runs, placement):
-    metrics = runs[2][placement]["metrics"]
+    metrics = _spec_run(runs, placement)["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0, metrics
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
+
+
+def test_small_kv_cache_preempts(runs, request):
+    """The "chunked" setting really preempts requests (so the lossless test covers drafts of
+    recomputed requests)."""
+    if "chunked" not in request.node.callspec.id:
+        pytest.skip("only the chunked setting has a small KV cache")
+    assert runs[2]["accepted"]["metrics"]["vllm:num_preemptions"] > 0
 
 
 DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm2-ss4"

@@ -1,0 +1,28 @@
+"""Which vLLM model class a merged checkpoint gets, and the errors for ones it cannot."""
+
+from types import SimpleNamespace
+
+import pytest
+
+specstream = pytest.importorskip("vllm_specstream.model_executor.specstream")
+
+
+def hf_config(**section):
+    return SimpleNamespace(specstream=section, num_hidden_layers=4)
+
+
+def test_each_base_family_has_a_class():
+    for arch in specstream.BASE_CLASSES:
+        assert specstream.base_architecture(hf_config(base_architectures=[arch])) == arch
+        assert issubclass(specstream.FAMILIES[arch], specstream.SpecStreamMixin)
+
+
+@pytest.mark.parametrize("base", [["GPT2LMHeadModel"], [], None])
+def test_unsupported_base_architecture_is_named(base):
+    with pytest.raises(specstream.ConfigError, match="specstream.base_architectures is"):
+        specstream.base_architecture(hf_config(base_architectures=base))
+
+
+def test_missing_section_says_how_to_export():
+    with pytest.raises(specstream.ConfigError, match="specstream export --merge"):
+        specstream.base_architecture(SimpleNamespace(num_hidden_layers=4))
