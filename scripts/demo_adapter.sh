@@ -9,7 +9,7 @@ BIN=.venv/bin
 COMMON="--task sql --num-streams 4 --num-msa-layers 8 --lora-rank 32 --lora-layers msa \
  --steps 400 --batch-size 8 --lr 5e-4 --eval-every 100 --save-every 25 --num-eval 48"
 $BIN/specstream train --out "$RUNS/sql-ss4" --objective specstream --stream-lr 2e-2 \
-    --stream-init-scale 0.5 $COMMON
+    --stream-init-scale 0.5 --init-rank 32 $COMMON
 $BIN/specstream train --out "$RUNS/sql-ntp" --objective ntp $COMMON
 for run in sql-ss4 sql-ntp; do
     $BIN/specstream export "$RUNS/$run" "$RUNS/$run-merged" --merge

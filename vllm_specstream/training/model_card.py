@@ -54,6 +54,8 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | num_streams (gamma) | {spec["num_streams"]} |
 | num_msa_layers (N_s) | {spec["num_msa_layers"]} |
 | stream_position | {spec["stream_position"]} |
+| init adapter rank (eta) | {spec.get("init_rank", 0)} |
+| loss weights (a0, a_j) | {spec["loss"]["a0"]}, {spec["loss"]["a_j"]} |
 | LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules", []))} |
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
 | learning rates | LoRA {args["lr"]}, stream embeddings {args["stream_lr"]} |
