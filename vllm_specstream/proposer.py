@@ -60,7 +60,15 @@ def select_drafts(
     rows, indices = anchor_rows(
         sampled_token_ids, num_tokens_no_spec, query_start_loc, first_positions
     )
-    drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+    return drafts_at(len(sampled_token_ids), rows, indices, draft_table, k)
+
+
+def drafts_at(
+    num_rows: int, rows: list[int], indices: list[int], draft_table, k: int
+) -> list[list[int]]:
+    """``draft_table[indices[i]][:k]`` for row ``rows[i]``, ``[]`` for the other rows and for
+    anchors without drafts."""
+    drafts: list[list[int]] = [[] for _ in range(num_rows)]
     for i, idx in zip(rows, indices):
         row = [int(t) for t in draft_table[idx][:k]]
         drafts[i] = [] if row and row[0] < 0 else row
@@ -101,13 +109,11 @@ class SpecStreamProposer:
         batch = stash.batch
         qsl = batch.query_start_loc.tolist()
         first_positions = batch.positions[batch.query_start_loc[:-1]].tolist()
+        rows, indices = anchor_rows(sampled_token_ids, num_tokens_no_spec, qsl, first_positions)
         table = stash.draft_table
         if self.placement == "accepted":
-            rows, indices = anchor_rows(sampled_token_ids, num_tokens_no_spec, qsl, first_positions)
             table = self.target.draft_at(rows, indices)
-        return select_drafts(
-            sampled_token_ids, num_tokens_no_spec, qsl, first_positions, table, self.k
-        )
+        return drafts_at(len(sampled_token_ids), rows, indices, table, self.k)
 
 
 class WindowSpecStreamProposer(SpecStreamProposer):

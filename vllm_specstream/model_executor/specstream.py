@@ -30,6 +30,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
+from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.forward_batch import (
@@ -49,8 +50,8 @@ logger = init_logger(__name__)
 #: Base architectures (``config.json: specstream.base_architectures``) that can be served.
 BASE_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
-#: Where the streams run (see the module docstring).
-PLACEMENTS = ("window", "accepted")
+#: Where the streams run (see the module docstring); each has its proposer.
+PLACEMENTS = tuple(PLACEMENT_PROPOSERS)
 
 
 @dataclass

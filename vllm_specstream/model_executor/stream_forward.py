@@ -1,9 +1,9 @@
 """The speculative streams inside vLLM: top ``num_msa_layers`` layers over the paged KV cache.
 
 For every anchor (each position of a request's scheduled window, at most ``k + 1`` per
-request, or only the last accepted position of each request, see
-:mod:`vllm_specstream.model_executor.specstream`), the ``num_streams`` streams start as ``f(M[t]) + P[j]`` from the residual stream
-entering layer L0 and go through vLLM's own layer modules. In attention they read the main
+request, or only each request's last accepted position: the placements of
+:mod:`vllm_specstream.model_executor.specstream`), the ``num_streams`` streams start as
+``f(M[t]) + P[j]`` from the residual stream entering layer L0 and go through vLLM's own layer modules. In attention they read the main
 stream's keys/values at positions ``<= t`` from the paged cache (after this step's writes)
 and their own anchor's streams ``<= j``; nothing of the streams is written to the cache.
 The math is :mod:`vllm_specstream.stream_math`, shared with training; the attention core

@@ -216,9 +216,10 @@ def export_merged(
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
     """Write a merged checkpoint that vLLM loads with the specstream plugin."""
-    model = load_adapter(adapter_dir, base=base, dtype=torch.float32)
+    recorded = base or SpecStreamConfig.load(Path(adapter_dir)).base_model
+    base_dir = Path(resolve_base(recorded, Path(adapter_dir) / CONFIG_FILE))
+    model = load_adapter(adapter_dir, base=base_dir, dtype=torch.float32)
     lm = model.lm.merge_and_unload() if hasattr(model.lm, "merge_and_unload") else model.lm
-    base_dir = Path(resolve_base(base or model.config.base_model, Path(adapter_dir) / CONFIG_FILE))
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
