@@ -22,21 +22,29 @@ PLACEMENT_PROPOSERS = {
 
 
 def speculative_config(
-    num_speculative_tokens: int = 4, placement: str | None = None, **options
+    num_speculative_tokens: int = 4,
+    placement: str | None = None,
+    adaptive: bool = True,
+    **options,
 ) -> dict:
     """The dict to pass as ``LLM(..., speculative_config=...)`` for a specstream checkpoint.
 
     ``num_speculative_tokens`` may be at most the checkpoint's ``num_streams``.
     ``placement``: ``"window"`` (streams for every position of the verified window, inside
     the forward: the paper's parallel design) or ``"accepted"`` (streams only at the last
-    accepted position, after rejection sampling); default: the faster on CPU. ``options``
-    are further fields of vLLM's ``SpeculativeConfig``.
+    accepted position, after rejection sampling); default: the faster on CPU.
+    ``adaptive``: shorten or skip drafts as the batch grows (``policy.DEFAULT_SCHEDULE``,
+    or ``num_speculative_tokens_per_batch_size`` in ``options``); False drafts
+    ``num_speculative_tokens`` at every batch size. ``options`` are further fields of
+    vLLM's ``SpeculativeConfig``.
     """
     if placement is not None and placement not in PLACEMENT_PROPOSERS:
         raise ValueError(
             f"speculative_config(placement={placement!r}): choose one of "
             f"{sorted(PLACEMENT_PROPOSERS)} or leave it out"
         )
+    if not adaptive and "num_speculative_tokens_per_batch_size" not in options:
+        options["num_speculative_tokens_per_batch_size"] = [(1, 1 << 16, num_speculative_tokens)]
     return {
         "method": "custom_class",
         "model": PLACEMENT_PROPOSERS[placement] if placement else PROPOSER,

@@ -180,6 +180,44 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from vllm_specstream.bench import METHODS, BenchConfig, run_bench
+
+    try:
+        cfg = BenchConfig(
+            checkpoint=args.checkpoint,
+            out_dir=args.out,
+            methods=tuple(m for m in args.methods.split(",") if m)
+            if args.methods
+            else METHODS
+            if args.medusa
+            else tuple(m for m in METHODS if m != "medusa"),
+            medusa=args.medusa,
+            task=args.task,
+            prompts=args.prompts,
+            num_prompts=args.n,
+            batch_sizes=_ints(args.batch_sizes),
+            temperatures=_floats(args.temperatures),
+            num_speculative_tokens=args.k,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            dtype=args.dtype,
+        )
+    except ValueError as e:
+        print(f"specstream bench: error: {e}", file=sys.stderr)
+        return 2
+    run_bench(cfg)
+    return 0
+
+
 def _add_training_parsers(sub) -> None:
     defaults = argparse.ArgumentDefaultsHelpFormatter
     p = sub.add_parser(
@@ -271,6 +309,35 @@ def _add_training_parsers(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser(
+        "bench",
+        help="plain vLLM vs ngram vs Medusa vs specstream: tok/s, speedup, tokens/step",
+        description="Serve one merged specstream checkpoint with each method (plain, vLLM "
+        "ngram, vLLM medusa with heads trained by `specstream train --objective medusa --base "
+        "CKPT`, specstream), same prompts, batch sizes and temperatures, one fresh engine per "
+        "method, in one run. Prints a Markdown table and writes OUT/bench.json, bench.md and "
+        "bench.png (speedup vs batch size per method).",
+        formatter_class=defaults,
+    )
+    p.add_argument("checkpoint", help="merged specstream checkpoint (specstream export --merge)")
+    p.add_argument("--medusa", help="Medusa heads directory (needed for the medusa method)")
+    p.add_argument(
+        "--methods",
+        help="comma-separated, from plain,ngram,medusa,specstream (default: all; medusa only "
+        "with --medusa)",
+    )
+    p.add_argument("--task", default="sql", choices=["sql", "code", "text"])
+    p.add_argument("--prompts", help="JSONL of prompts instead of the task's test split")
+    p.add_argument("-n", type=int, default=16, help="number of prompts")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every method")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each cell's prompts")
+    p.add_argument("--dtype", default="float32", help="engine dtype (fp32 is fast on CPUs)")
+    p.add_argument("--out", default="bench-results", help="output directory")
+    p.set_defaults(func=_cmd_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_specstream.config import ConfigError
+from vllm_specstream.logger import init_logger
+from vllm_specstream.policy import DEFAULT_SCHEDULE, clamp_schedule, draft_length, validate_schedule
+
+logger = init_logger(__name__)
 
 
 def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spec: int) -> int:
@@ -81,6 +85,9 @@ class SpecStreamProposer:
     ``placement`` says where the model runs the streams (see
     :mod:`vllm_specstream.model_executor.specstream`); this class uses the faster one on
     CPU, the subclasses below pin either.
+
+    Draft length per step follows a batch-size schedule (:mod:`vllm_specstream.policy`):
+    vLLM's ``num_speculative_tokens_per_batch_size`` when set, else ``DEFAULT_SCHEDULE``.
     """
 
     placement = "accepted"
@@ -88,6 +95,18 @@ class SpecStreamProposer:
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
+        user = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        self.schedule = clamp_schedule(
+            validate_schedule(user, "num_speculative_tokens_per_batch_size")
+            if user
+            else DEFAULT_SCHEDULE,
+            self.k,
+        )
+        logger.info(
+            "specstream drafts per request by batch size (first, last, k): %s%s",
+            self.schedule,
+            "" if user else " (default; set num_speculative_tokens_per_batch_size to change)",
+        )
         self.target = None
 
     def load_model(self, target_model) -> None:
@@ -104,7 +123,8 @@ class SpecStreamProposer:
         self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
     ):
         stash = self.target.stash
-        if stash is None:
+        k = draft_length(self.schedule, len(sampled_token_ids), self.k)
+        if stash is None or k == 0:
             return [[] for _ in sampled_token_ids]
         batch = stash.batch
         qsl = batch.query_start_loc.tolist()
@@ -113,7 +133,7 @@ class SpecStreamProposer:
         table = stash.draft_table
         if self.placement == "accepted":
             table = self.target.draft_at(rows, indices)
-        return drafts_at(len(sampled_token_ids), rows, indices, table, self.k)
+        return drafts_at(len(sampled_token_ids), rows, indices, table, k)
 
 
 class WindowSpecStreamProposer(SpecStreamProposer):

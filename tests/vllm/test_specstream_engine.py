@@ -55,7 +55,8 @@ def main():
     placement = sys.argv[5] if len(sys.argv) > 5 else None
     kw = cpu_engine_kwargs(**{"dtype": "float32", "max_model_len": 1024, **engine})
     if spec:
-        kw["speculative_config"] = speculative_config(spec, placement=placement)
+        # Draft at every batch size: these runs check losslessness, not the policy.
+        kw["speculative_config"] = speculative_config(spec, placement=placement, adaptive=False)
         kw["per_request_spec_decode_metrics"] = "summary"
     llm = LLM(model=ckpt, disable_log_stats=False, **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
@@ -239,7 +240,17 @@ def main():
             results.append({"max_tokens": n, "prompt_ids": list(out.prompt_token_ids),
                             "tokens": list(out.outputs[0].token_ids),
                             "stash": llm.apply_model(stash_snapshot)[0]})
-    print("RESULT " + json.dumps(results))
+    # The default policy: no drafts while 16 requests run together, drafts for one alone.
+    drafts = []
+    for batch in (16, 1):
+        before = _drafts(llm)
+        llm.generate(prompts[:1] * batch, SamplingParams(max_tokens=6, ignore_eos=True),
+                     use_tqdm=False)
+        drafts.append(_drafts(llm) - before)
+    print("RESULT " + json.dumps({"probes": results, "policy_drafts": drafts}))
+
+def _drafts(llm):
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
 
 if __name__ == "__main__":
     main()
@@ -251,7 +262,8 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
     """The streams vLLM computes over its paged cache give the same top-1 tokens as the
     training wrapper on the same checkpoint, at every anchor of the last forward: the
     prefill's last token (max_tokens=1) and a decode window with rejected drafts (9); with
-    placement "accepted" the one anchor is the last accepted token."""
+    placement "accepted" the one anchor is the last accepted token. The same engine checks
+    the default adaptive policy: no drafts at batch 16, drafts at batch 1."""
     import torch
 
     from vllm_specstream.training.checkpoint import load_merged
@@ -274,7 +286,10 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
         env={**__import__("os").environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
     )
     assert out.returncode == 0, out.stderr[-6000:]
-    results = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    result = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    # Default adaptive policy (policy.DEFAULT_SCHEDULE): batch 16 drafts nothing, batch 1 does.
+    assert result["policy_drafts"][0] == 0 and result["policy_drafts"][1] > 0, result
+    results = result["probes"]
     model = load_merged(tiny_merged)
     checked = {1: 0, 9: 0}
     for result in results:
@@ -356,7 +371,7 @@ def main():
     ckpt, spec, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kw = cpu_engine_kwargs(dtype="float32", max_model_len=256)
     if spec:
-        kw["speculative_config"] = speculative_config(spec)
+        kw["speculative_config"] = speculative_config(spec, adaptive=False)
     llm = LLM(model=ckpt, **kw)
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
     outs = llm.generate(["The colour of the sky is"] * n, params, use_tqdm=False)

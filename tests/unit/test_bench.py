@@ -1,0 +1,107 @@
+"""`specstream bench` without engines: configs per method, the summary math, the outputs."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_specstream.bench import (
+    BenchConfig,
+    extra_params,
+    groups,
+    markdown_table,
+    plot,
+    speculative_config_for,
+    steps_per_method,
+    summarize,
+)
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    ckpt, medusa = tmp_path / "ckpt", tmp_path / "medusa"
+    ckpt.mkdir()
+    medusa.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    save_file(
+        {"specstream.stream_embeddings": torch.zeros(4, 8)}, str(ckpt / "specstream.safetensors")
+    )
+    (medusa / "config.json").write_text(json.dumps({"num_heads": 3}))
+    save_file(
+        {"blocks.0.layers.0.weight": torch.zeros(8, 8), "lm_head.weight": torch.zeros(50, 8)},
+        str(medusa / "model.safetensors"),
+    )
+    return ckpt, medusa
+
+
+def test_config_errors_name_the_flag(dirs, tmp_path):
+    ckpt, medusa = dirs
+    with pytest.raises(ValueError, match="--medusa"):
+        BenchConfig(checkpoint=str(ckpt), methods=("medusa",))
+    with pytest.raises(ValueError, match="--methods: unknown \\['eagle'\\]"):
+        BenchConfig(checkpoint=str(ckpt), methods=("eagle",))
+    with pytest.raises(ValueError, match="no config.json"):
+        BenchConfig(checkpoint=str(tmp_path / "nowhere"), methods=("plain",))
+    cfg = BenchConfig(checkpoint=str(ckpt), methods=("specstream",))
+    assert cfg.methods == ("plain", "specstream")  # plain is the reference, always run
+
+
+def test_speculative_configs_and_extra_params(dirs):
+    ckpt, medusa = dirs
+    cfg = BenchConfig(checkpoint=str(ckpt), medusa=str(medusa), num_speculative_tokens=4)
+    assert speculative_config_for("plain", cfg) is None
+    assert speculative_config_for("ngram", cfg)["prompt_lookup_max"] == 4
+    assert speculative_config_for("medusa", cfg)["num_speculative_tokens"] == 3  # 3 heads
+    assert speculative_config_for("specstream", cfg)["method"] == "custom_class"
+    assert extra_params("specstream", cfg) == 32
+    assert extra_params("medusa", cfg) == 64  # blocks only: the LM head is the target's
+    assert extra_params("ngram", cfg) == 0
+
+
+def test_groups_and_progress_steps(dirs):
+    assert [list(g) for g in groups(5, 2)] == [[0, 1], [2, 3], [4]]
+    cfg = BenchConfig(
+        checkpoint=str(dirs[0]), num_prompts=5, batch_sizes=(1, 2), temperatures=(0.0,), repeats=2
+    )
+    assert steps_per_method(cfg) == 1 + (5 + 3) * 2
+
+
+def _cell(t, b, rates, tokens, out, drafts=0.0, accepted=0.0):
+    return {
+        "temperature": t,
+        "batch_size": b,
+        "rates": rates,
+        "tokens": tokens,
+        "output_tokens": out,
+        "drafts": drafts,
+        "accepted": accepted,
+    }
+
+
+def test_summary_speedup_tokens_per_step_cr_ratio_lossless(dirs, tmp_path):
+    cfg = BenchConfig(checkpoint=str(dirs[0]), methods=("plain", "specstream"))
+    results = {
+        "plain": {
+            "cells": [_cell(0.0, 1, [10, 12, 11], [[1, 2]], 30), _cell(0.7, 1, [10], [[5]], 30)]
+        },
+        "specstream": {
+            "cells": [
+                _cell(0.0, 1, [20, 24, 22], [[1, 2]], 30, drafts=10, accepted=20),
+                _cell(0.7, 1, [15], [[6]], 30, drafts=10, accepted=5),
+            ]
+        },
+    }
+    rows = {(r["method"], r["temperature"]): r for r in summarize(results, cfg)}
+    greedy = rows[("specstream", 0.0)]
+    assert greedy["speedup"] == 2.0 and greedy["tokens_per_step"] == 3.0
+    assert greedy["cr_ratio"] == 3.0  # 30 tokens in 10 forward passes
+    assert greedy["lossless"] is True and greedy["extra_params"] == 32
+    assert rows[("specstream", 0.7)]["lossless"] is None  # sampled: checked by a test instead
+    assert rows[("plain", 0.0)]["speedup"] == 1.0 and rows[("plain", 0.0)]["cr_ratio"] == 1.0
+    results["specstream"]["cells"][0]["tokens"] = [[1, 3]]
+    assert not [r for r in summarize(results, cfg) if r["temperature"] == 0][1]["lossless"]
+    table = markdown_table(summarize(results, cfg))
+    assert "| specstream | 0 | 1 | 22.00 | 2.00x | 3.00 | 3.00 | **no** | 32 |" in table
+    plot(summarize(results, cfg), tmp_path / "bench.png", "title")
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,380 @@
+"""``specstream bench``: plain vLLM vs ngram vs Medusa vs speculative streaming, one run.
+
+Every method serves the same checkpoint (Medusa adds its heads on top) with the same
+prompts, engine settings, batch sizes and temperatures. Each method runs in its own child
+process (a fresh engine, nothing shared), one after the other, so timings are comparable
+within one run; speedups are ratios to plain decoding measured in that same run.
+
+Reported per (method, temperature, batch size): output tokens/s (median over the batches
+of all repeats), ``speedup`` vs plain, ``tokens_per_step`` (1 + accepted drafts per
+drafting step, vLLM's counters), ``cr_ratio`` (output tokens per target forward pass of a
+request; plain = 1.0), ``lossless`` (greedy only: token-identical to plain at the same
+batch size), ``extra_params`` (parameters over the served checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vllm_specstream.logger import init_logger
+
+logger = init_logger(__name__)
+
+METHODS = ("plain", "ngram", "medusa", "specstream")
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark run."""
+
+    checkpoint: str
+    """Merged specstream checkpoint (``specstream export --merge``): the served model."""
+    out_dir: str = "bench-results"
+    """Where ``bench.json``, ``bench.md`` and ``bench.png`` are written."""
+    methods: tuple[str, ...] = ("plain", "ngram", "specstream")
+    """Subset of ``METHODS``; ``plain`` is always run (speedups are relative to it)."""
+    medusa: str | None = None
+    """Medusa heads for the checkpoint (``specstream train --objective medusa --base CKPT``);
+    required for the ``medusa`` method."""
+    task: str = "sql"
+    """Built-in task whose test split gives the prompts (ignored with ``prompts``)."""
+    prompts: str | None = None
+    """JSONL of prompts (``prompt``/``completion``, chat ``messages`` or sql records)."""
+    num_prompts: int = 16
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    num_speculative_tokens: int = 4
+    """Draft length for every speculative method (Medusa: at most its number of heads)."""
+    max_tokens: int = 128
+    repeats: int = 2
+    """Each (temperature, batch size) cell runs its prompts this many times."""
+    dtype: str = "float32"
+    """fp32 is the fast dtype on CPUs without native bf16 matmuls (see README)."""
+    ngram_lookup: tuple[int, int] = (2, 4)
+    """``prompt_lookup_min``, ``prompt_lookup_max`` of vLLM's ngram method."""
+    engine_options: dict = field(default_factory=dict)
+    """Extra ``LLM(...)`` keyword arguments for every method."""
+    specstream_options: dict = field(default_factory=dict)
+    """Extra ``speculative_config`` fields for the specstream method."""
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+        if "plain" not in self.methods:
+            self.methods = ("plain", *self.methods)
+        if "medusa" in self.methods and not self.medusa:
+            raise ValueError(
+                "--methods includes medusa but --medusa (the heads' directory) is not given"
+            )
+        if self.medusa and not (Path(self.medusa) / "config.json").is_file():
+            raise ValueError(f"--medusa {self.medusa}: no config.json (a Medusa checkpoint?)")
+        if not (Path(self.checkpoint) / "config.json").is_file():
+            raise ValueError(f"checkpoint {self.checkpoint}: no config.json")
+        if min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.repeats < 1:
+            raise ValueError("--batch-sizes, -n and --repeats must be positive")
+
+
+def medusa_heads(medusa_dir: str) -> int:
+    return int(json.loads((Path(medusa_dir) / "config.json").read_text())["num_heads"])
+
+
+def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
+    """vLLM ``speculative_config`` of ``method`` (None for plain decoding)."""
+    from vllm_specstream import speculative_config
+
+    k = cfg.num_speculative_tokens
+    if method == "plain":
+        return None
+    if method == "ngram":
+        lo, hi = cfg.ngram_lookup
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_min": lo,
+            "prompt_lookup_max": hi,
+        }
+    if method == "medusa":
+        return {
+            "method": "medusa",
+            "model": cfg.medusa,
+            "num_speculative_tokens": min(k, medusa_heads(cfg.medusa)),
+        }
+    if method == "specstream":
+        return speculative_config(k, **cfg.specstream_options)
+    raise ValueError(method)
+
+
+def extra_params(method: str, cfg: BenchConfig) -> int:
+    """Parameters a method adds over the served checkpoint's main model."""
+    from safetensors import safe_open
+
+    def count(path: Path, keep=lambda name: True) -> int:
+        with safe_open(str(path), "pt") as f:
+            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if keep(k))  # noqa: SIM118
+
+    if method == "specstream":
+        from vllm_specstream.training.checkpoint import STREAM_FILE
+
+        return count(Path(cfg.checkpoint) / STREAM_FILE)
+    if method == "medusa":
+        # The heads share the target's LM head (``original_lm_head``): only blocks are new.
+        return count(Path(cfg.medusa) / "model.safetensors", lambda k: k.startswith("blocks."))
+    return 0
+
+
+def groups(n: int, batch_size: int) -> list[range]:
+    """Consecutive prompt index ranges of ``batch_size`` (the last may be shorter)."""
+    return [range(i, min(n, i + batch_size)) for i in range(0, n, batch_size)]
+
+
+def steps_per_method(cfg: BenchConfig) -> int:
+    """Generate calls one method makes (for the progress bar), the warm-up included."""
+    calls = sum(len(groups(cfg.num_prompts, b)) for b in cfg.batch_sizes)
+    return 1 + calls * cfg.repeats * len(cfg.temperatures)
+
+
+def load_prompts(cfg: BenchConfig, tokenizer) -> list[str]:
+    """Chat-templated prompts: the task's test split or the JSONL file."""
+    from vllm_specstream.training.data import load_jsonl, prompt_text
+    from vllm_specstream.training.tasks import build_task, to_example
+
+    if cfg.prompts:
+        examples = load_jsonl(cfg.prompts)
+        if not examples:
+            raise ValueError(f"--prompts {cfg.prompts}: no records")
+        examples = (examples * math.ceil(cfg.num_prompts / len(examples)))[: cfg.num_prompts]
+    else:
+        records = build_task(cfg.task, "test", n=cfg.num_prompts)
+        examples = [to_example(cfg.task, r) for r in records]
+    return [prompt_text(tokenizer, e.messages) for e in examples]
+
+
+# -- child process: one engine, every cell -------------------------------------------------
+
+
+def _counters(llm) -> dict[str, float]:
+    return {
+        m.name: float(getattr(m, "value", 0) or 0)
+        for m in llm.get_metrics()
+        if "spec_decode" in m.name
+    }
+
+
+def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
+    """Run every (temperature, batch size) cell of ``method`` on one engine."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_specstream.cpu_env import cpu_engine_kwargs
+
+    prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(cfg.checkpoint))
+    kw = cpu_engine_kwargs(dtype=cfg.dtype, max_num_seqs=max(cfg.batch_sizes), seed=0)
+    kw.update(cfg.engine_options)
+    spec = speculative_config_for(method, cfg)
+    if spec is not None:
+        kw["speculative_config"] = spec
+    llm = LLM(model=cfg.checkpoint, disable_log_stats=False, **kw)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    emit("PROGRESS")
+    cells = []
+    for temperature in cfg.temperatures:
+        params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens)
+        for batch_size in cfg.batch_sizes:
+            before = _counters(llm)
+            rates, tokens, out_tokens = [], None, 0
+            for repeat in range(cfg.repeats):
+                run_tokens = []
+                for g in groups(len(prompts), batch_size):
+                    start = time.perf_counter()
+                    outs = llm.generate([prompts[i] for i in g], params, use_tqdm=False)
+                    elapsed = time.perf_counter() - start
+                    n = sum(len(o.outputs[0].token_ids) for o in outs)
+                    rates.append(n / elapsed)
+                    out_tokens += n
+                    run_tokens += [list(o.outputs[0].token_ids) for o in outs]
+                    emit("PROGRESS")
+                if repeat == 0:
+                    tokens = run_tokens
+            after = _counters(llm)
+            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            drafts = delta.get("vllm:spec_decode_num_drafts", 0.0)
+            accepted = delta.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+            cells.append(
+                {
+                    "temperature": temperature,
+                    "batch_size": batch_size,
+                    "rates": rates,
+                    "tokens": tokens,
+                    "output_tokens": out_tokens,
+                    "drafts": drafts,
+                    "accepted": accepted,
+                }
+            )
+    llm.llm_engine.engine_core.shutdown()
+    return {"method": method, "spec_config": spec, "cells": cells}
+
+
+def _child_main(payload: str) -> None:
+    data = json.loads(payload)
+    method = data.pop("_method")
+    cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    result = run_cells(method, cfg, emit=lambda line: print(line, flush=True))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_method(method: str, cfg: BenchConfig, on_progress=lambda: None) -> dict:
+    """Run ``method`` in a child process; ``on_progress`` is called after each generate."""
+    payload = json.dumps({**asdict(cfg), "_method": method})
+    log_path = Path(cfg.out_dir) / f"{method}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_specstream.bench", "--child", payload],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=dict(os.environ),
+        )
+        result = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("PROGRESS"):
+                on_progress()
+            elif line.startswith("RESULT "):
+                result = json.loads(line[7:])
+        code = proc.wait()
+    if code != 0 or result is None:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"bench: method {method!r} failed (exit {code}); {log_path}:\n{tail}")
+    return result
+
+
+# -- summary ------------------------------------------------------------------------------
+
+
+def summarize(results: dict[str, dict], cfg: BenchConfig) -> list[dict]:
+    """One row per (method, temperature, batch size), speedups against plain in this run."""
+    plain = {(c["temperature"], c["batch_size"]): c for c in results["plain"]["cells"]}
+    rows = []
+    for method, result in results.items():
+        extra = extra_params(method, cfg)
+        for c in result["cells"]:
+            ref = plain[(c["temperature"], c["batch_size"])]
+            tok_s = statistics.median(c["rates"])
+            passes = c["output_tokens"] - c["accepted"]
+            rows.append(
+                {
+                    "method": method,
+                    "temperature": c["temperature"],
+                    "batch_size": c["batch_size"],
+                    "tok_s": round(tok_s, 2),
+                    "speedup": round(tok_s / statistics.median(ref["rates"]), 3),
+                    "tokens_per_step": round(1 + c["accepted"] / c["drafts"], 3)
+                    if c["drafts"]
+                    else 1.0,
+                    "cr_ratio": round(c["output_tokens"] / passes, 3) if passes else 1.0,
+                    "lossless": (c["tokens"] == ref["tokens"]) if c["temperature"] == 0 else None,
+                    "extra_params": extra,
+                }
+            )
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = (
+        "| method | T | batch | tok/s | speedup | tokens_per_step | cr_ratio | lossless | "
+        "extra_params |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        lossless = {True: "yes", False: "**no**", None: "n/a"}[r["lossless"]]
+        lines.append(
+            f"| {r['method']} | {r['temperature']:g} | {r['batch_size']} | {r['tok_s']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['cr_ratio']:.2f} | "
+            f"{lossless} | {r['extra_params']:,} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Speedup vs batch size, one line per method, one panel per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for method in dict.fromkeys(r["method"] for r in rows):
+            pts = sorted(
+                (r["batch_size"], r["speedup"])
+                for r in rows
+                if r["method"] == method and r["temperature"] == t
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["batch_size"] for r in rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("speedup vs plain (output tok/s)")
+        ax.set_title(f"temperature {t:g}")
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Run every method, write ``bench.json``, ``bench.md``, ``bench.png``; return the report."""
+    from tqdm.auto import tqdm
+
+    from vllm_specstream.machine import describe_machine
+
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    per_method = steps_per_method(cfg)
+    results = {}
+    with tqdm(total=per_method * len(cfg.methods), desc="bench", disable=not progress) as bar:
+        for method in cfg.methods:
+            bar.set_postfix_str(method)
+            results[method] = run_method(method, cfg, on_progress=bar.update)
+    rows = summarize(results, cfg)
+    machine = describe_machine()
+    setting = (
+        f"{cfg.num_prompts} prompts ({cfg.prompts or cfg.task + ' test split'}), max_tokens "
+        f"{cfg.max_tokens}, {cfg.dtype}, eager, k={cfg.num_speculative_tokens}, "
+        f"{cfg.repeats} repeats, median tok/s over batches"
+    )
+    report = {
+        "machine": machine,
+        "checkpoint": cfg.checkpoint,
+        "setting": setting,
+        "config": asdict(cfg),
+        "spec_configs": {m: r["spec_config"] for m, r in results.items()},
+        "rows": rows,
+    }
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown_table(rows)
+    (out / "bench.md").write_text(f"Machine: {machine}\n\nSetting: {setting}\n\n{table}")
+    plot(rows, out / "bench.png", f"{Path(cfg.checkpoint).name} on {machine}")
+    print(f"\nMachine: {machine}\nSetting: {setting}\n\n{table}")
+    print(f"Wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        _child_main(sys.argv[2])
+    else:
+        sys.exit("use `specstream bench --help`")

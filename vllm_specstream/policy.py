@@ -1,0 +1,61 @@
+"""Adaptive speculation: how many drafts each request gets this step.
+
+Verifying ``k`` drafts makes every request's forward ``k + 1`` rows long. At batch 1 the
+extra rows are nearly free (the step is bound by reading the weights); as the batch grows
+the step becomes bound by arithmetic and the extra rows cost about what they save, then
+more. The policy is a batch-size schedule in vLLM's own format
+(``num_speculative_tokens_per_batch_size``: inclusive ranges ``(first, last, k)``), so a
+user can set it on the command line like for vLLM's built-in methods; the proposer applies
+it (vLLM does not pass its dynamic draft length to ``custom_class`` proposers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Schedule = list[tuple[int, int, int]]
+
+#: Measured on the SQL demo checkpoint (fp32, 2-core CPU without native bf16, see
+#: benchmarks/README.md): specstream with 4 drafts wins up to batch 4, 2 drafts still win at
+#: 8, and from about 12 requests on a step with drafts is slower than one without.
+DEFAULT_SCHEDULE: Schedule = [(1, 4, 4), (5, 11, 2), (12, 1 << 20, 0)]
+
+
+def validate_schedule(schedule: Sequence[Sequence[int]], where: str = "schedule") -> Schedule:
+    """Sorted, non-overlapping ``(first, last, k)`` ranges starting at batch size 1."""
+    out: Schedule = []
+    for entry in schedule:
+        if len(entry) != 3:
+            raise ValueError(f"{where}: entry {entry!r} is not (first, last, k)")
+        first, last, k = (int(x) for x in entry)
+        if first < 1 or last < first or k < 0:
+            raise ValueError(f"{where}: entry {entry!r} needs 1 <= first <= last and k >= 0")
+        out.append((first, last, k))
+    out.sort()
+    if not out or out[0][0] != 1:
+        raise ValueError(f"{where}: the first range must start at batch size 1")
+    for (_, last, _), (first, _, _) in zip(out, out[1:]):
+        if first <= last:
+            raise ValueError(f"{where}: ranges overlap")
+    return out
+
+
+def clamp_schedule(schedule: Schedule, k: int) -> Schedule:
+    """``schedule`` with every draft length capped at ``k``."""
+    return [(first, last, min(n, k)) for first, last, n in schedule]
+
+
+def draft_length(schedule: Schedule | None, batch_size: int, k: int) -> int:
+    """Drafts per request for a step of ``batch_size`` requests (at most ``k``).
+
+    Between ranges the previous range's length carries on; past the last range, its
+    length (vLLM's reading of the same schedule).
+    """
+    if not schedule:
+        return k
+    n = k
+    for first, _, length in schedule:
+        if batch_size < first:
+            break
+        n = length
+    return min(n, k)
