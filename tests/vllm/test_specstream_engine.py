@@ -231,7 +231,7 @@ def main():
     ckpt, max_tokens = sys.argv[1], json.loads(sys.argv[2])
     prompts, placement = json.loads(sys.argv[3]), sys.argv[4]
     llm = LLM(model=ckpt, speculative_config=speculative_config(3, placement=placement),
-              **cpu_engine_kwargs(dtype="float32", max_model_len=1024))
+              disable_log_stats=False, **cpu_engine_kwargs(dtype="float32", max_model_len=1024))
     results = []
     for n in max_tokens:
         for prompt in prompts:  # one request at a time: the last forward is that request's
@@ -244,7 +244,7 @@ def main():
     drafts = []
     for batch in (16, 1):
         before = _drafts(llm)
-        llm.generate(prompts[:1] * batch, SamplingParams(max_tokens=6, ignore_eos=True),
+        llm.generate(prompts[:1] * batch, SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)
         drafts.append(_drafts(llm) - before)
     print("RESULT " + json.dumps({"probes": results, "policy_drafts": drafts}))
@@ -287,8 +287,10 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
     )
     assert out.returncode == 0, out.stderr[-6000:]
     result = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    # Default adaptive policy (policy.DEFAULT_SCHEDULE): batch 16 drafts nothing, batch 1 does.
-    assert result["policy_drafts"][0] == 0 and result["policy_drafts"][1] > 0, result
+    # Default adaptive policy (policy.DEFAULT_SCHEDULE): 16 requests together draft nothing
+    # (at every step that would be ~16 x 29 drafts; the engine may run its first steps
+    # before all 16 requests have arrived, and those may draft), one request alone drafts.
+    assert result["policy_drafts"][0] <= 32 and result["policy_drafts"][1] >= 10, result
     results = result["probes"]
     model = load_merged(tiny_merged)
     checked = {1: 0, 9: 0}
