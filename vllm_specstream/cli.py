@@ -299,7 +299,9 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--task", default="sql", choices=["sql", "code", "text"])
     p.add_argument("--prompts", help="JSONL of prompts (sql: context/question/answer records)")
     p.add_argument("--base", help="base model dir for an adapter (default: the recorded one)")
-    p.add_argument("-n", "--n", type=int, default=50, help="number of prompts")
+    p.add_argument(
+        "-n", "--n", type=int, help="number of prompts (default: the whole test split or file)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
         "--tree-top-k",

@@ -94,6 +94,20 @@ def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeyp
     assert {"loss_main", "loss_stream1", "top1_stream2", "eval_loss"} <= set(log[-1])
 
 
+def test_a_finished_run_extends_with_more_steps_and_ignores_fewer(tiny_base, tmp_path):
+    out = tmp_path / "run"
+    train(args_for(tiny_base, out, steps=2), progress=False)
+    train(args_for(tiny_base, out, steps=4), progress=False)  # resumes at 2, trains 3-4
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    before = load_file(str(out / "specstream.safetensors"))["stream_embeddings"]
+    train(args_for(tiny_base, out, steps=2), progress=False)  # already past: nothing changes
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4
+    after = load_file(str(out / "specstream.safetensors"))["stream_embeddings"]
+    torch.testing.assert_close(before, after, atol=0, rtol=0)
+
+
 def test_cli_train_export_eval(tiny_base, tmp_path):
     spec = venv_script("specstream")
     run = lambda *a: subprocess.run([spec, *a], capture_output=True, text=True, timeout=600)  # noqa: E731

@@ -32,7 +32,8 @@ class EvalCase:
     reference: str
 
 
-def eval_cases(task: str, prompts: str | None, n: int, seed: int = 0) -> list[EvalCase]:
+def eval_cases(task: str, prompts: str | None, n: int | None, seed: int = 0) -> list[EvalCase]:
+    """``n`` held-out cases (None: all of the task's test split, or of ``prompts``)."""
     from vllm_specstream.training.data import load_jsonl
     from vllm_specstream.training.tasks import build_task, reference, to_example
 

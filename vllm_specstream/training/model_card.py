@@ -25,7 +25,11 @@ def _train_summary(adapter_dir: Path) -> tuple[dict, float | None]:
 
 
 def write_model_card(
-    adapter_dir: str | Path, command: str, result: dict, baseline: dict | None = None
+    adapter_dir: str | Path,
+    command: str,
+    result: dict,
+    baseline: dict | None = None,
+    note: str | None = None,
 ) -> Path:
     """Write ``adapter_dir/README.md`` from the training args, log and eval results."""
     adapter_dir = Path(adapter_dir)
@@ -60,7 +64,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
 | learning rates | LoRA {args["lr"]}, stream embeddings {args["stream_lr"]} |
 | wall time | {wall_text} of training (sum over resumed runs; shared CPU) on {describe_machine()} |
-
+{"" if not note else chr(10) + note + chr(10)}
 ## Measured on the held-out test split ({result["num_prompts"]} prompts, greedy)
 
 | metric | value |
@@ -88,12 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval", required=True, help="JSON printed by `specstream eval`")
     parser.add_argument("--baseline", help="JSON printed by `specstream eval` for the ntp baseline")
     parser.add_argument("--command", required=True, help="the command that reproduces the adapter")
+    parser.add_argument("--note", help="a sentence about the run for the card")
     a = parser.parse_args(argv)
     result = json.loads(Path(a.eval).read_text().strip().splitlines()[-1])
     baseline = (
         json.loads(Path(a.baseline).read_text().strip().splitlines()[-1]) if a.baseline else None
     )
-    print(write_model_card(a.adapter_dir, a.command, result, baseline))
+    print(write_model_card(a.adapter_dir, a.command, result, baseline, a.note))
 
 
 if __name__ == "__main__":

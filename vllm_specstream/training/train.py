@@ -328,6 +328,9 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     start = _resume(job, optimizer, out)
+    if start >= args.steps:  # e.g. a script run again: never relabel a longer run's state
+        logger.info("%s is trained to step %d >= --steps %d: nothing to do", out, start, args.steps)
+        return out
     if start == 0:
         job.calibrate(
             collate(
