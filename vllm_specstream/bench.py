@@ -28,7 +28,9 @@ from vllm_specstream.logger import init_logger
 
 logger = init_logger(__name__)
 
-METHODS = ("plain", "ngram", "medusa", "specstream")
+#: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
+#: off): the row that shows where speculation stops paying.
+METHODS = ("plain", "ngram", "medusa", "specstream", "specstream-fixed")
 
 
 @dataclass
@@ -110,6 +112,8 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
         }
     if method == "specstream":
         return speculative_config(k, **cfg.specstream_options)
+    if method == "specstream-fixed":
+        return speculative_config(k, **{**cfg.specstream_options, "adaptive": False})
     raise ValueError(method)
 
 
@@ -121,7 +125,7 @@ def extra_params(method: str, cfg: BenchConfig) -> int:
         with safe_open(str(path), "pt") as f:
             return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if keep(k))  # noqa: SIM118
 
-    if method == "specstream":
+    if method.startswith("specstream"):
         from vllm_specstream.training.checkpoint import STREAM_FILE
 
         return count(Path(cfg.checkpoint) / STREAM_FILE)
@@ -349,6 +353,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         for method in cfg.methods:
             bar.set_postfix_str(method)
             results[method] = run_method(method, cfg, on_progress=bar.update)
+            # Raw per-batch numbers, kept even if a later method fails.
+            (out / f"{method}.json").write_text(json.dumps(results[method]) + "\n")
     rows = summarize(results, cfg)
     machine = describe_machine()
     setting = (

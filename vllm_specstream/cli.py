@@ -197,9 +197,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             out_dir=args.out,
             methods=tuple(m for m in args.methods.split(",") if m)
             if args.methods
-            else METHODS
-            if args.medusa
-            else tuple(m for m in METHODS if m != "medusa"),
+            else tuple(
+                m for m in METHODS if m != "specstream-fixed" and (args.medusa or m != "medusa")
+            ),
             medusa=args.medusa,
             task=args.task,
             prompts=args.prompts,
@@ -326,8 +326,8 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--medusa", help="Medusa heads directory (needed for the medusa method)")
     p.add_argument(
         "--methods",
-        help="comma-separated, from plain,ngram,medusa,specstream (default: all; medusa only "
-        "with --medusa)",
+        help="comma-separated, from plain,ngram,medusa,specstream,specstream-fixed (the "
+        "adaptive policy off) (default: all but specstream-fixed; medusa only with --medusa)",
     )
     p.add_argument("--task", default="sql", choices=["sql", "code", "text"])
     p.add_argument("--prompts", help="JSONL of prompts instead of the task's test split")

@@ -54,6 +54,9 @@ def test_speculative_configs_and_extra_params(dirs):
     assert speculative_config_for("ngram", cfg)["prompt_lookup_max"] == 4
     assert speculative_config_for("medusa", cfg)["num_speculative_tokens"] == 3  # 3 heads
     assert speculative_config_for("specstream", cfg)["method"] == "custom_class"
+    fixed = speculative_config_for("specstream-fixed", cfg)
+    assert fixed["num_speculative_tokens_per_batch_size"] == [(1, 1 << 16, 4)]
+    assert extra_params("specstream-fixed", cfg) == 32
     assert extra_params("specstream", cfg) == 32
     assert extra_params("medusa", cfg) == 64  # blocks only: the LM head is the target's
     assert extra_params("ngram", cfg) == 0
