@@ -195,14 +195,15 @@ def demo_runs(base_model_dir, tmp_path_factory):
 
 def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
     """A trained checkpoint: outputs identical to plain decoding over 32 prompts, and the
-    streams' drafts are mostly accepted (reference decoder: ~2.8 tokens per step)."""
+    streams' drafts are mostly accepted (reference decoder: 3.2 tokens per step on the whole
+    test split)."""
     plain, spec = demo_runs
     assert spec["tokens"] == plain["tokens"]
     metrics = spec["metrics"]
     tokens_per_step = 1 + (
         metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
     )
-    assert tokens_per_step > 2.0, metrics
+    assert tokens_per_step > 2.5, metrics
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == 4 and per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0
 
@@ -283,7 +284,10 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
         capture_output=True,
         text=True,
         timeout=900,
-        env={**__import__("os").environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+        env={
+            **__import__("os").environ,
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        },
     )
     assert out.returncode == 0, out.stderr[-6000:]
     result = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])

@@ -84,14 +84,21 @@ class PagedKVLayout:
         offsets = _probe_region(write, block_size, head_dim, num_kv_heads, dtype)
         return cls(offsets[0], offsets[1], block_size, head_dim)
 
+    def flat_indices(
+        self, num_kv_heads: int, block_ids: Tensor, in_block: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Indices into one layer's flattened cache of K and V ``[n, num_kv_heads, head_dim]``
+        of the tokens at (``block_ids``, ``in_block``); the same for every layer of a model."""
+        region = self.block_size * self.head_dim
+        heads = torch.arange(num_kv_heads)
+        base = (block_ids.long()[:, None] * num_kv_heads + heads[None, :]) * (2 * region)
+        k = base[:, :, None] + self.k_offsets[in_block.long()][:, None, :]
+        v = base[:, :, None] + region + self.v_offsets[in_block.long()][:, None, :]
+        return k, v
+
     def gather(
         self, kv_cache: Tensor, block_ids: Tensor, in_block: Tensor
     ) -> tuple[Tensor, Tensor]:
         """K and V ``[n, num_kv_heads, head_dim]`` of the tokens at (``block_ids``, ``in_block``)."""
-        nb, heads, bs, two_hd = kv_cache.shape
-        regions = kv_cache.view(nb, heads, 2, bs * self.head_dim)
-        b = block_ids.long()[:, None, None]
-        h = torch.arange(heads)[None, :, None]
-        k = regions[b, h, 0, self.k_offsets[in_block.long()][:, None, :]]
-        v = regions[b, h, 1, self.v_offsets[in_block.long()][:, None, :]]
-        return k, v
+        k_idx, v_idx = self.flat_indices(kv_cache.shape[1], block_ids, in_block)
+        return torch.take(kv_cache, k_idx), torch.take(kv_cache, v_idx)

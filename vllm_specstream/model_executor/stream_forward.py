@@ -93,17 +93,28 @@ class StreamRunner:
             )
         return self._layouts[key]
 
-    def _main_kv(self, layer, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor]:
-        """Main keys/values ``[R, K, P, D]`` of positions ``0..P-1`` of every request."""
-        attn = layer.self_attn.attn
+    def _main_kv_index(self, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Flat cache indices of the main keys/values of positions ``context`` (``[R, P]``),
+        shared by all MSA layers (their caches have one shape and layout)."""
+        attn = self.layers[0].self_attn.attn
         kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
         layout = self._layout(attn, kv_cache)
-        r, p = context.shape
         bs = layout.block_size
         block_ids = torch.gather(batch.block_table.long(), 1, context // bs)
-        k, v = layout.gather(kv_cache, block_ids.flatten(), (context % bs).flatten())
-        k = k.view(r, p, *k.shape[1:]).transpose(1, 2)
-        v = v.view(r, p, *v.shape[1:]).transpose(1, 2)
+        k_idx, v_idx = layout.flat_indices(
+            kv_cache.shape[1], block_ids.flatten(), (context % bs).flatten()
+        )
+        return k_idx, v_idx, kv_cache.shape[1]
+
+    def _main_kv(
+        self, layer, index: tuple[Tensor, Tensor, int], r: int, p: int
+    ) -> tuple[Tensor, Tensor]:
+        """Main keys/values ``[R, K, P, D]`` of one layer at the flat ``index``."""
+        attn = layer.self_attn.attn
+        kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+        k_idx, v_idx, heads = index
+        k = torch.take(kv_cache, k_idx).view(r, p, heads, -1).transpose(1, 2)
+        v = torch.take(kv_cache, v_idx).view(r, p, heads, -1).transpose(1, 2)
         return k, v
 
     @torch.no_grad()
@@ -116,6 +127,7 @@ class StreamRunner:
         r, a = anchors.shape
         p = self.params
         s = init_streams(msa_input[idx], p.stream_embeddings, p.init_a, p.init_b)  # [R, A, G, h]
+        hidden = s.shape[-1]
         anchor_pos = batch.positions[idx].long()  # [R, A]
         s_pos = stream_position_ids(anchor_pos, g, self.config.stream_position)  # [R, A, G]
         # Main context of each request: positions 0..(last anchor position).
@@ -124,10 +136,11 @@ class StreamRunner:
         context = torch.arange(p_max)[None, :].expand(r, p_max)
         context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
         main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
+        kv_index = self._main_kv_index(batch, context)
         flat_pos = s_pos.flatten()
         for layer in self.layers:
             attn = layer.self_attn
-            x = layer.input_layernorm(s.view(-1, s.shape[-1]))
+            x = layer.input_layernorm(s.view(-1, hidden))
             qkv, _ = attn.qkv_proj(x)
             q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q, k = attn.rotary_emb(flat_pos, q, k)
@@ -135,10 +148,10 @@ class StreamRunner:
             q = q.view(r, a, g, h_q, d).permute(0, 3, 1, 2, 4)
             k = k.view(r, a, g, h_kv, d).permute(0, 3, 1, 2, 4)
             v = v.view(r, a, g, h_kv, d).permute(0, 3, 1, 2, 4)
-            k_main, v_main = self._main_kv(layer, batch, context)
+            k_main, v_main = self._main_kv(layer, kv_index, r, p_max)
             o = multi_stream_attention(q, k_main, v_main, k, v, main_mask, attn.scaling)
             o = o.permute(0, 2, 3, 1, 4).reshape(r * a * g, h_q * d)
             out, _ = attn.o_proj(o)
             s = s + out.view_as(s)
-            s = s + layer.mlp(layer.post_attention_layernorm(s.view(-1, s.shape[-1]))).view_as(s)
-        return self.model.model.norm(s.view(-1, s.shape[-1])).view_as(s)
+            s = s + layer.mlp(layer.post_attention_layernorm(s.view(-1, hidden))).view_as(s)
+        return self.model.model.norm(s.view(-1, hidden)).view_as(s)
