@@ -41,7 +41,8 @@ def child(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             out = llm.chat([conversation], params, use_tqdm=False)[0].outputs[0]
             rates.append(len(out.token_ids) / (time.perf_counter() - start))
-    print("RESULT " + json.dumps({"rates": rates, "ld_preload": os.environ.get("LD_PRELOAD", "")}))
+    line = json.dumps({"rates": rates, "ld_preload": os.environ.get("LD_PRELOAD", "")})
+    sys.stdout.write("RESULT " + line + "\n")  # one write: vLLM's threads share stdout
 
 
 def run_variant(preload: bool, args: argparse.Namespace) -> list[float]:

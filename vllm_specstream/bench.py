@@ -3,7 +3,9 @@
 Every method serves the same checkpoint (Medusa adds its heads on top) with the same
 prompts, engine settings, batch sizes and temperatures. Each method runs in its own child
 process (a fresh engine, nothing shared), one after the other, so timings are comparable
-within one run; speedups are ratios to plain decoding measured in that same run.
+within one run; speedups are ratios to plain decoding measured in that same run. A shared
+machine drifts over minutes: ``rounds`` > 1 runs the methods again, in reverse order every
+other round, and reports per cell the median over rounds of each round's speedup.
 
 Reported per (method, temperature, batch size): output tokens/s (median over the batches
 of all repeats), ``speedup`` vs plain, ``tokens_per_step`` (1 + accepted drafts per
@@ -58,6 +60,8 @@ class BenchConfig:
     max_tokens: int = 128
     repeats: int = 2
     """Each (temperature, batch size) cell runs its prompts this many times."""
+    rounds: int = 1
+    """Times the whole method list runs (alternating order); speedups are per-round ratios."""
     dtype: str = "float32"
     """fp32 is the fast dtype on CPUs without native bf16 matmuls (see README)."""
     ngram_lookup: tuple[int, int] = (2, 4)
@@ -81,8 +85,8 @@ class BenchConfig:
             raise ValueError(f"--medusa {self.medusa}: no config.json (a Medusa checkpoint?)")
         if not (Path(self.checkpoint) / "config.json").is_file():
             raise ValueError(f"checkpoint {self.checkpoint}: no config.json")
-        if min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.repeats < 1:
-            raise ValueError("--batch-sizes, -n and --repeats must be positive")
+        if min(self.batch_sizes) < 1 or min(self.num_prompts, self.repeats, self.rounds) < 1:
+            raise ValueError("--batch-sizes, -n, --repeats and --rounds must be positive")
 
 
 def medusa_heads(medusa_dir: str) -> int:
@@ -231,8 +235,14 @@ def _child_main(payload: str) -> None:
     data = json.loads(payload)
     method = data.pop("_method")
     cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
-    result = run_cells(method, cfg, emit=lambda line: print(line, flush=True))
-    print("RESULT " + json.dumps(result), flush=True)
+    result = run_cells(method, cfg, emit=_emit)
+    _emit("RESULT " + json.dumps(result))
+
+
+def _emit(line: str) -> None:
+    # One write per line: vLLM's threads log to the same stdout while this one reports.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def run_method(method: str, cfg: BenchConfig, on_progress=lambda: None) -> dict:
@@ -292,6 +302,25 @@ def summarize(results: dict[str, dict], cfg: BenchConfig) -> list[dict]:
     return rows
 
 
+def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
+    """Rows of several rounds (same methods and cells) as one: median tok/s and speedup over
+    rounds, mean tokens_per_step and cr_ratio, lossless only if lossless in every round."""
+    if len(per_round) == 1:
+        return per_round[0]
+    rows = []
+    for cells in zip(*per_round):
+        first = dict(cells[0])
+        for key in ("tok_s", "speedup"):
+            first[key] = round(statistics.median(c[key] for c in cells), 3)
+        for key in ("tokens_per_step", "cr_ratio"):
+            first[key] = round(statistics.fmean(c[key] for c in cells), 3)
+        if first["lossless"] is not None:
+            first["lossless"] = all(c["lossless"] for c in cells)
+        first["speedup_per_round"] = [c["speedup"] for c in cells]
+        rows.append(first)
+    return rows
+
+
 def markdown_table(rows: list[dict]) -> str:
     head = (
         "| method | T | batch | tok/s | speedup | tokens_per_step | cr_ratio | lossless | "
@@ -348,19 +377,26 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     per_method = steps_per_method(cfg)
-    results = {}
-    with tqdm(total=per_method * len(cfg.methods), desc="bench", disable=not progress) as bar:
-        for method in cfg.methods:
-            bar.set_postfix_str(method)
-            results[method] = run_method(method, cfg, on_progress=bar.update)
-            # Raw per-batch numbers, kept even if a later method fails.
-            (out / f"{method}.json").write_text(json.dumps(results[method]) + "\n")
-    rows = summarize(results, cfg)
+    per_round = []
+    total = per_method * len(cfg.methods) * cfg.rounds
+    with tqdm(total=total, desc="bench", disable=not progress) as bar:
+        for r in range(cfg.rounds):
+            results = {}
+            order = cfg.methods if r % 2 == 0 else tuple(reversed(cfg.methods))
+            for method in order:
+                bar.set_postfix_str(f"{method}, round {r + 1}/{cfg.rounds}")
+                results[method] = run_method(method, cfg, on_progress=bar.update)
+                # Raw per-batch numbers, kept even if a later method fails.
+                suffix = f".round{r + 1}" if cfg.rounds > 1 else ""
+                (out / f"{method}{suffix}.json").write_text(json.dumps(results[method]) + "\n")
+            per_round.append(summarize({m: results[m] for m in cfg.methods}, cfg))
+    rows = combine_rounds(per_round)
     machine = describe_machine()
     setting = (
         f"{cfg.num_prompts} prompts ({cfg.prompts or cfg.task + ' test split'}), max_tokens "
         f"{cfg.max_tokens}, {cfg.dtype}, eager, k={cfg.num_speculative_tokens}, "
         f"{cfg.repeats} repeats, median tok/s over batches"
+        + (f", {cfg.rounds} rounds (median of per-round speedups)" if cfg.rounds > 1 else "")
     )
     report = {
         "machine": machine,

@@ -209,6 +209,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             num_speculative_tokens=args.k,
             max_tokens=args.max_tokens,
             repeats=args.repeats,
+            rounds=args.rounds,
             dtype=args.dtype,
         )
     except ValueError as e:
@@ -337,6 +338,13 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every method")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each cell's prompts")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of the whole method list, alternating order; speedups are the median of "
+        "per-round ratios (use 2-3 on a shared machine, whose speed drifts over minutes)",
+    )
     p.add_argument("--dtype", default="float32", help="engine dtype (fp32 is fast on CPUs)")
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=_cmd_bench)

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from vllm_specstream.bench import (
     BenchConfig,
+    combine_rounds,
     extra_params,
     groups,
     markdown_table,
@@ -108,3 +109,29 @@ def test_summary_speedup_tokens_per_step_cr_ratio_lossless(dirs, tmp_path):
     assert "| specstream | 0 | 1 | 22.00 | 2.00x | 3.00 | 3.00 | **no** | 32 |" in table
     plot(summarize(results, cfg), tmp_path / "bench.png", "title")
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rounds_combine_per_round_speedups(dirs):
+    cfg = BenchConfig(checkpoint=str(dirs[0]), methods=("plain", "specstream"), rounds=3)
+
+    def round_rows(plain_rate, spec_rate, spec_tokens):
+        results = {
+            "plain": {"cells": [_cell(0.0, 1, [plain_rate], [[1, 2]], 30)]},
+            "specstream": {
+                "cells": [_cell(0.0, 1, [spec_rate], spec_tokens, 30, drafts=10, accepted=20)]
+            },
+        }
+        return summarize(results, cfg)
+
+    # The machine slows down between rounds: per-round ratios stay 2.0, 2.0, 1.5.
+    rows = combine_rounds(
+        [round_rows(10, 20, [[1, 2]]), round_rows(5, 10, [[1, 2]]), round_rows(8, 12, [[1, 2]])]
+    )
+    spec = rows[1]
+    assert spec["method"] == "specstream" and spec["speedup"] == 2.0
+    assert spec["speedup_per_round"] == [2.0, 2.0, 1.5] and spec["tok_s"] == 12.0
+    assert spec["lossless"] is True and spec["tokens_per_step"] == 3.0
+    rows = combine_rounds([round_rows(10, 20, [[1, 2]]), round_rows(10, 20, [[9]])])
+    assert rows[1]["lossless"] is False  # one round differing from plain is enough
+    with pytest.raises(ValueError, match="--rounds"):
+        BenchConfig(checkpoint=str(dirs[0]), rounds=0)

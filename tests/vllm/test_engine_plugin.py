@@ -23,9 +23,11 @@ def main():
     llm = LLM(model=model, **cpu_engine_kwargs(dtype="float32", max_model_len=512))
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
     import vllm_specstream.plugin
-    print("FRONTEND_REGISTERED", vllm_specstream.plugin._registered)
-    print("TOKENS " + json.dumps([list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-                                  for o in outs]))
+    # One write per line: vLLM's threads log to the same stdout while the main thread prints.
+    sys.stdout.write(f"FRONTEND_REGISTERED {vllm_specstream.plugin._registered}\n")
+    sys.stdout.write("TOKENS " + json.dumps([list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                                             for o in outs]) + "\n")
+    sys.stdout.flush()
 
 if __name__ == "__main__":
     main()

@@ -65,28 +65,31 @@ def main():
     metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
                if "spec_decode" in m.name or "preemptions" in m.name}
     per_request = [o.outputs[0].spec_decode_metrics for o in outs]
-    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                  "text": [o.outputs[0].text for o in outs],
-                                  "metrics": metrics,
-                                  "per_request": [m.to_dict() if m else None
-                                                  for m in per_request]}))
+    # One write: vLLM's threads log to the same stdout while the main thread prints.
+    sys.stdout.write("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                             "text": [o.outputs[0].text for o in outs],
+                                             "metrics": metrics,
+                                             "per_request": [m.to_dict() if m else None
+                                                             for m in per_request]}) + "\n")
 
 if __name__ == "__main__":
     main()
 """
 
 #: Engine settings of the lossless tests: defaults (prefix caching and chunked prefill on),
-#: and tiny prefill chunks with a KV cache of ~400 tokens, so that long prompts are split
-#: over several steps and requests are preempted and recomputed mid-generation.
+#: and tiny prefill chunks with a KV cache of 256 tokens, so that long prompts are split
+#: over several steps, some steps hold only partial prefills, and requests are preempted
+#: and recomputed mid-generation (3-5 times per run; with 416 tokens it was 0-1, and the
+#: count depends on how fast requests reach the engine core).
 ENGINES = {
     "default": {},
     "chunked": {
         "max_num_batched_tokens": 64,
         "max_num_seqs": 16,
         "enable_prefix_caching": True,
-        "max_model_len": 384,
+        "max_model_len": 224,
         "block_size": 32,
-        "num_gpu_blocks_override": 13,
+        "num_gpu_blocks_override": 8,
     },
 }
 
@@ -248,7 +251,7 @@ def main():
         llm.generate(prompts[:1] * batch, SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)
         drafts.append(_drafts(llm) - before)
-    print("RESULT " + json.dumps({"probes": results, "policy_drafts": drafts}))
+    sys.stdout.write("RESULT " + json.dumps({"probes": results, "policy_drafts": drafts}) + "\n")
 
 def _drafts(llm):
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
@@ -381,7 +384,7 @@ def main():
     llm = LLM(model=ckpt, **kw)
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
     outs = llm.generate(["The colour of the sky is"] * n, params, use_tqdm=False)
-    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    sys.stdout.write("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -189,15 +189,16 @@ class SpecStreamMixin:
 
     def _run_streams(self, msa_input: torch.Tensor, anchors: torch.Tensor) -> None:
         """Stream top-1 tokens at ``anchors`` (``[R, A]``) into the stash's draft table."""
+        valid = anchors >= 0
+        if not bool(valid.any()):
+            return  # e.g. a step of partial prefills only: no request drafts
         if self._runner is None:
             self._runner = StreamRunner(self, self.specstream, self.spec_config)
         hidden = self._runner(msa_input, self.stash.batch, anchors)
-        valid = anchors >= 0
-        if bool(valid.any()):
-            logits = self.compute_logits(hidden[valid].reshape(-1, hidden.shape[-1]))
-            if logits is not None:  # None on tensor-parallel ranks other than the first
-                g = self.spec_config.num_streams
-                self.stash.draft_table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)
+        logits = self.compute_logits(hidden[valid].reshape(-1, hidden.shape[-1]))
+        if logits is not None:  # None on tensor-parallel ranks other than the first
+            g = self.spec_config.num_streams
+            self.stash.draft_table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)
 
 
 class SpecStreamLlamaForCausalLM(SpecStreamMixin, LlamaForCausalLM):

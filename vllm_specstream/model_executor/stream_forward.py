@@ -132,7 +132,7 @@ class StreamRunner:
         s_pos = stream_position_ids(anchor_pos, g, self.config.stream_position)  # [R, A, G]
         # Main context of each request: positions 0..(last anchor position).
         ctx_len = torch.where(valid, anchor_pos + 1, torch.zeros_like(anchor_pos)).max(dim=1).values
-        p_max = int(ctx_len.max())
+        p_max = max(int(ctx_len.max()), 1)  # >= 1 keeps the shapes valid without anchors
         context = torch.arange(p_max)[None, :].expand(r, p_max)
         context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
         main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
