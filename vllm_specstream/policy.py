@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 Schedule = list[tuple[int, int, int]]
 
-#: Measured on the SQL demo checkpoint (fp32, 2-core CPU without native bf16, see
-#: benchmarks/README.md): specstream with 4 drafts wins up to batch 4, 2 drafts still win at
-#: 8, and from about 12 requests on a step with drafts is slower than one without.
-DEFAULT_SCHEDULE: Schedule = [(1, 4, 4), (5, 11, 2), (12, 1 << 20, 0)]
+#: Measured on the SQL demo checkpoint (fp32, 2-core CPU, benchmarks/adaptive_sweep.py,
+#: benchmarks/results/sql-smollm2/adaptive.json): 4 drafts win up to batch 8 (1.06x there),
+#: 2 drafts break even at 16 (1.03x vs 0.99x for 4), and at 32 any draft loses (0.92-0.97x).
+DEFAULT_SCHEDULE: Schedule = [(1, 15, 4), (16, 31, 2), (32, 1 << 20, 0)]
 
 
 def validate_schedule(schedule: Sequence[Sequence[int]], where: str = "schedule") -> Schedule:

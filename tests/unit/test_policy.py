@@ -26,7 +26,8 @@ def test_draft_length_reads_ranges_gaps_and_tail_like_vllm():
 
 def test_default_schedule_turns_drafting_off_under_load():
     assert draft_length(DEFAULT_SCHEDULE, 1, 4) == 4
-    assert draft_length(DEFAULT_SCHEDULE, 16, 4) == 0
+    assert draft_length(DEFAULT_SCHEDULE, 16, 4) == 2
+    assert draft_length(DEFAULT_SCHEDULE, 32, 4) == 0
     assert clamp_schedule(DEFAULT_SCHEDULE, 1)[0][2] == 1
 
 
@@ -84,7 +85,8 @@ def _propose(schedule, num_requests, k=4):
 
 def test_proposer_follows_the_schedule():
     assert _propose(None, 1) == [[11, 12, 13, 14]]  # default: full length alone
-    assert _propose(None, 16) == [[]] * 16  # default: off under load
+    assert _propose(None, 16) == [[11, 12]] * 16  # default: shorter under load
+    assert _propose(None, 32) == [[]] * 32  # default: off under heavy load
     assert _propose([(1, 1, 4), (2, 8, 2)], 3) == [[11, 12]] * 3
     with pytest.raises(ValueError, match="overlap"):
         _propose([(1, 4, 4), (2, 8, 2)], 1)
