@@ -24,9 +24,9 @@ def main():
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
     import vllm_specstream.plugin
     # One write per line: vLLM's threads log to the same stdout while the main thread prints.
-    sys.stdout.write(f"FRONTEND_REGISTERED {vllm_specstream.plugin._registered}\n")
+    sys.stdout.write(f"FRONTEND_REGISTERED {vllm_specstream.plugin._registered}\\n")
     sys.stdout.write("TOKENS " + json.dumps([list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-                                             for o in outs]) + "\n")
+                                             for o in outs]) + "\\n")
     sys.stdout.flush()
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def main():
                                   kv_cache_memory_bytes=256 << 20))
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"]) for r in requests]
     outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
-    sys.stdout.write("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]) + "\n")
+    sys.stdout.write("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]) + "\\n")
 
 if __name__ == "__main__":
     main()

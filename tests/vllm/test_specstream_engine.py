@@ -70,7 +70,7 @@ def main():
                                              "text": [o.outputs[0].text for o in outs],
                                              "metrics": metrics,
                                              "per_request": [m.to_dict() if m else None
-                                                             for m in per_request]}) + "\n")
+                                                             for m in per_request]}) + "\\n")
 
 if __name__ == "__main__":
     main()
@@ -251,7 +251,7 @@ def main():
         llm.generate(prompts[:1] * batch, SamplingParams(max_tokens=30, ignore_eos=True),
                      use_tqdm=False)
         drafts.append(_drafts(llm) - before)
-    sys.stdout.write("RESULT " + json.dumps({"probes": results, "policy_drafts": drafts}) + "\n")
+    sys.stdout.write("RESULT " + json.dumps({"probes": results, "policy_drafts": drafts}) + "\\n")
 
 def _drafts(llm):
     return sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
@@ -384,7 +384,7 @@ def main():
     llm = LLM(model=ckpt, **kw)
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
     outs = llm.generate(["The colour of the sky is"] * n, params, use_tqdm=False)
-    sys.stdout.write("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]) + "\n")
+    sys.stdout.write("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]) + "\\n")
 
 if __name__ == "__main__":
     main()
