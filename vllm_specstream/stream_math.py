@@ -116,6 +116,41 @@ def multi_stream_attention(
     return out.reshape(b, h, a, g, d).to(q_streams.dtype)
 
 
+def joint_attention_mask(main_mask: Tensor, num_streams: int) -> Tensor:
+    """``[B, A*G, P + A*G]`` bool mask of :func:`multi_stream_attention` over the
+    concatenation ``[main keys, stream keys]`` with queries and stream keys flattened
+    anchor-major: stream ``j`` at anchor ``t`` sees the main keys ``main_mask`` allows and
+    streams ``<= j`` of its own anchor. ``main_mask``: ``[B, A, P]``."""
+    b, a, p = main_mask.shape
+    g = num_streams
+    main = main_mask[:, :, None, :].expand(b, a, g, p).reshape(b, a * g, p)
+    same_anchor = torch.eye(a, dtype=torch.bool, device=main_mask.device)
+    own = same_anchor[:, None, :, None] & stream_self_mask(g, main_mask.device)[None, :, None, :]
+    return torch.cat((main, own.reshape(1, a * g, a * g).expand(b, -1, -1)), dim=-1)
+
+
+def joint_stream_attention(
+    q_streams: Tensor,
+    k_main: Tensor,
+    v_main: Tensor,
+    k_streams: Tensor,
+    v_streams: Tensor,
+    joint_mask: Tensor,
+    scale: float,
+) -> Tensor:
+    """:func:`multi_stream_attention` as one fused attention call (inference).
+
+    ``q_streams``: ``[B, H, A*G, D]``; ``k_main``/``v_main``: ``[B, K, P, D]``;
+    ``k_streams``/``v_streams``: ``[B, K, A*G, D]``; ``joint_mask`` from
+    :func:`joint_attention_mask`. Returns ``[B, H, A*G, D]``.
+    """
+    k = torch.cat((k_main, k_streams), dim=2)
+    v = torch.cat((v_main, v_streams), dim=2)
+    return F.scaled_dot_product_attention(
+        q_streams, k, v, attn_mask=joint_mask[:, None], scale=scale, enable_gqa=True
+    )
+
+
 def stream_targets(
     input_ids: Tensor, labels_valid: Tensor, anchors: Tensor, num_streams: int
 ) -> tuple[Tensor, Tensor]:

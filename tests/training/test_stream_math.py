@@ -6,6 +6,8 @@ import torch
 from vllm_specstream.stream_math import (
     anchor_main_mask,
     init_streams,
+    joint_attention_mask,
+    joint_stream_attention,
     multi_stream_attention,
     stream_position_ids,
     stream_targets,
@@ -46,6 +48,39 @@ def test_batched_msa_equals_naive():
     got = multi_stream_attention(q, k_main, v_main, k_s, v_s, mask, 0.3)
     want = naive_msa(q, k_main, v_main, k_s, v_s, anchor_pos, 0.3)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_joint_attention_equals_naive_and_keeps_padding_anchors_finite():
+    """The inference form (one fused attention over [main keys, stream keys], queries
+    flattened anchor-major) equals the per-anchor reference; a padding anchor (sees no main
+    key) still gets finite outputs."""
+    torch.manual_seed(2)
+    b, h, kv, a, g, d, p = 2, 6, 2, 3, 4, 8, 9
+    q = torch.randn(b, h, a, g, d)
+    k_main, v_main = torch.randn(b, kv, p, d), torch.randn(b, kv, p, d)
+    k_s, v_s = torch.randn(b, kv, a, g, d), torch.randn(b, kv, a, g, d)
+    anchor_pos = torch.tensor([[1, 4, 8], [0, 6, 7]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    main_mask = anchor_main_mask(anchor_pos, torch.arange(p)) & valid[..., None]
+    mask = joint_attention_mask(main_mask, g)
+    assert mask.shape == (b, a * g, p + a * g)
+    got = joint_stream_attention(
+        q.reshape(b, h, a * g, d),
+        k_main,
+        v_main,
+        k_s.reshape(b, kv, a * g, d),
+        v_s.reshape(b, kv, a * g, d),
+        mask,
+        0.3,
+    ).reshape(b, h, a, g, d)
+    want = naive_msa(q, k_main, v_main, k_s, v_s, anchor_pos, 0.3)
+    torch.testing.assert_close(
+        got[valid[:, None, :].expand(b, h, a)],
+        want[valid[:, None, :].expand(b, h, a)],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    assert torch.isfinite(got).all()
 
 
 def test_msa_ignores_future_main_keys_and_later_streams():

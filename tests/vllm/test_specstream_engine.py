@@ -1,11 +1,14 @@
 """Speculative streaming on real vLLM engines: lossless greedy, drafts flow, clear errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from vllm_specstream.model_executor.stream_weights import ENV_STREAM_DTYPE
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -94,7 +97,9 @@ ENGINES = {
 }
 
 
-def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict], placement=None):
+def run_engine(
+    tmp_path, ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None
+):
     script = tmp_path / f"engine_{spec}.py"
     script.write_text(SCRIPT)
     out = subprocess.run(
@@ -110,6 +115,7 @@ def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict], pl
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, **(env or {})},
     )
     assert out.returncode == 0, out.stderr[-6000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -119,6 +125,9 @@ def run_engine(tmp_path, ckpt, spec: int, engine: dict, requests: list[dict], pl
 PLACEMENTS = ("window", "accepted")
 #: Placements run per engine setting (the default placement everywhere).
 ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("accepted",)}
+#: Stream-pass matmuls per placement in the "default" setting, so that both paths of
+#: ``stream_weights`` run whatever the CPU (the "chunked" setting takes the automatic one).
+STREAM_DTYPES = {"window": "model", "accepted": "bfloat16"}
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINES))
@@ -130,7 +139,18 @@ def runs(request, tiny_merged, tmp_path_factory):
     engine = ENGINES[request.param]
     plain = run_engine(tmp, tiny_merged, 0, engine, requests)
     placements = ENGINE_PLACEMENTS[request.param]
-    spec = {p: run_engine(tmp, tiny_merged, 3, engine, requests, p) for p in placements}
+    spec = {
+        p: run_engine(
+            tmp,
+            tiny_merged,
+            3,
+            engine,
+            requests,
+            p,
+            env={ENV_STREAM_DTYPE: STREAM_DTYPES[p]} if request.param == "default" else None,
+        )
+        for p in placements
+    }
     return requests, plain, spec
 
 
@@ -261,13 +281,20 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
-def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, placement):
+@pytest.mark.parametrize(
+    ("placement", "stream_dtype"),
+    [("window", "model"), ("accepted", "model"), ("accepted", "bfloat16")],
+)
+def test_stream_drafts_equal_the_training_implementation(
+    tiny_merged, tmp_path, placement, stream_dtype
+):
     """The streams vLLM computes over its paged cache give the same top-1 tokens as the
     training wrapper on the same checkpoint, at every anchor of the last forward: the
     prefill's last token (max_tokens=1) and a decode window with rejected drafts (9); with
-    placement "accepted" the one anchor is the last accepted token. The same engine checks
-    the default adaptive policy: no drafts at batch 16, drafts at batch 1."""
+    placement "accepted" the one anchor is the last accepted token. With the stream pass in
+    bf16 (``SPECSTREAM_STREAM_DTYPE``) the drafts may differ where the top-2 logits are
+    close: at least 80% agree. The same engine checks the default adaptive policy: no
+    drafts at batch 16, drafts at batch 1."""
     import torch
 
     from vllm_specstream.training.checkpoint import load_merged
@@ -288,8 +315,9 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
         text=True,
         timeout=900,
         env={
-            **__import__("os").environ,
+            **os.environ,
             "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            ENV_STREAM_DTYPE: stream_dtype,
         },
     )
     assert out.returncode == 0, out.stderr[-6000:]
@@ -301,6 +329,7 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
     results = result["probes"]
     model = load_merged(tiny_merged)
     checked = {1: 0, 9: 0}
+    agree = total = 0
     for result in results:
         stash = result["stash"]
         positions, ids, table = stash["positions"], stash["input_ids"], stash["table"]
@@ -314,10 +343,14 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, tmp_path, 
             with torch.no_grad():
                 ref = model(torch.tensor([known[: t + 1]]), anchors=torch.tensor([[t]]))
                 want = model.lm_head(ref.stream_hidden[0, 0]).argmax(-1).tolist()
-            assert table[i] == want, (result["max_tokens"], i, t)
+            if stream_dtype == "model":
+                assert table[i] == want, (result["max_tokens"], i, t)
+            agree += sum(x == y for x, y in zip(table[i], want))
+            total += len(want)
             checked[result["max_tokens"]] += 1
     # Every prompt has its anchor; a decode window has several unless only one is run.
     assert checked[1] >= 3 and checked[9] >= (3 if placement == "accepted" else 4), checked
+    assert agree >= 0.8 * total, (agree, total)
 
 
 ERROR_SCRIPT = """

@@ -29,6 +29,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.platforms import current_platform
 
 from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError, SpecStreamConfig
@@ -44,6 +45,7 @@ from vllm_specstream.model_executor.stream_forward import (
     accepted_anchors,
     window_anchors,
 )
+from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
 
 logger = init_logger(__name__)
 
@@ -119,6 +121,10 @@ class SpecStreamMixin:
         self.model._set_aux_hidden_state_layers((self.first_msa_layer,))
         self._layer_name = attention_layer_name(f"{prefix}.model." if prefix else "model.", n - 1)
         self._runner: StreamRunner | None = None
+        self._stream_weights: StreamWeights | None = None
+        self._platform_is_cpu = current_platform.is_cpu()
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._model_dtype = vllm_config.model_config.dtype
         self.stash: StreamStash | None = None
         self._step = 0
         #: Set by the proposer in ``load_model``.
@@ -153,7 +159,23 @@ class SpecStreamMixin:
                 f"specstream.safetensors: missing stream tensor(s) {missing}; the merged "
                 "checkpoint must carry them (export it with `specstream export --merge`)"
             )
+        if self.num_speculative_tokens > 0:
+            # Now, before vLLM post-processes (prepacks and drops) the linear weights.
+            self._stream_weights = build_stream_weights(
+                list(self.model.layers)[self.first_msa_layer :],
+                self._lm_head_weight(),
+                platform_is_cpu=self._platform_is_cpu,
+                model_dtype=self._model_dtype,
+                tp_size=self._tp_size,
+            )
         return loaded
+
+    def _lm_head_weight(self) -> torch.Tensor | None:
+        """The LM head's rows of real tokens (vLLM pads the vocabulary with zero rows)."""
+        weight = getattr(self.lm_head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return None
+        return weight[: self.config.vocab_size]
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
@@ -193,9 +215,14 @@ class SpecStreamMixin:
         if not bool(valid.any()):
             return  # e.g. a step of partial prefills only: no request drafts
         if self._runner is None:
-            self._runner = StreamRunner(self, self.specstream, self.spec_config)
+            self._runner = StreamRunner(
+                self, self.specstream, self.spec_config, self._stream_weights
+            )
         hidden = self._runner(msa_input, self.stash.batch, anchors)
-        logits = self.compute_logits(hidden[valid].reshape(-1, hidden.shape[-1]))
+        rows = hidden[valid].reshape(-1, hidden.shape[-1])
+        head = self._runner.weights.lm_head
+        # Any positive logit scale or soft cap keeps the argmax of the plain projection.
+        logits = head(rows) if head is not None else self.compute_logits(rows)
         if logits is not None:  # None on tensor-parallel ranks other than the first
             g = self.spec_config.num_streams
             self.stash.draft_table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)

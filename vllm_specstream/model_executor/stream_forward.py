@@ -7,21 +7,26 @@ request, or only each request's last accepted position: the placements of
 stream's keys/values at positions ``<= t`` from the paged cache (after this step's writes)
 and their own anchor's streams ``<= j``; nothing of the streams is written to the cache.
 The math is :mod:`vllm_specstream.stream_math`, shared with training; the attention core
-(:func:`multi_stream_attention`) is the piece a GPU kernel would replace.
+(:func:`~vllm_specstream.stream_math.joint_stream_attention`, one fused attention call) is
+the piece a GPU kernel would replace. The matmuls are vLLM's modules or prepacked bf16
+copies (:mod:`vllm_specstream.model_executor.stream_weights`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
+from vllm_specstream.model_executor.stream_weights import StreamWeights
 from vllm_specstream.stream_math import (
     anchor_main_mask,
     init_streams,
-    multi_stream_attention,
+    joint_attention_mask,
+    joint_stream_attention,
     stream_position_ids,
 )
 
@@ -67,10 +72,21 @@ class StreamParams(nn.Module):
             self.prune_b = nn.Parameter(torch.zeros(h, config.prune.rank), requires_grad=False)
 
 
+def rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
+    """vLLM's ``RMSNorm`` module (weight, ``variance_epsilon``) as one fused call."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight.to(x.dtype), norm.variance_epsilon)
+
+
 class StreamRunner:
     """Runs the streams for a batch of anchors through the model's MSA layers."""
 
-    def __init__(self, model: nn.Module, params: StreamParams, config: SpecStreamConfig):
+    def __init__(
+        self,
+        model: nn.Module,
+        params: StreamParams,
+        config: SpecStreamConfig,
+        weights: StreamWeights | None = None,
+    ):
         self.model = model  # the SpecStream*ForCausalLM (has .model.layers, .model.norm)
         self.params = params
         self.config = config
@@ -82,6 +98,7 @@ class StreamRunner:
                 "the base model normalises queries/keys per head (qk_norm); the stream "
                 "layers do not implement it yet"
             )
+        self.weights = weights or StreamWeights.of_modules(self.layers)
         self._layouts: dict[int, PagedKVLayout] = {}
 
     def _layout(self, attn, kv_cache: Tensor) -> PagedKVLayout:
@@ -127,31 +144,30 @@ class StreamRunner:
         r, a = anchors.shape
         p = self.params
         s = init_streams(msa_input[idx], p.stream_embeddings, p.init_a, p.init_b)  # [R, A, G, h]
-        hidden = s.shape[-1]
+        shape = s.shape
+        s = s.reshape(-1, shape[-1])  # rows (request, anchor, stream)
         anchor_pos = batch.positions[idx].long()  # [R, A]
-        s_pos = stream_position_ids(anchor_pos, g, self.config.stream_position)  # [R, A, G]
+        flat_pos = stream_position_ids(anchor_pos, g, self.config.stream_position).flatten()
         # Main context of each request: positions 0..(last anchor position).
         ctx_len = torch.where(valid, anchor_pos + 1, torch.zeros_like(anchor_pos)).max(dim=1).values
         p_max = max(int(ctx_len.max()), 1)  # >= 1 keeps the shapes valid without anchors
         context = torch.arange(p_max)[None, :].expand(r, p_max)
         context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
         main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
+        mask = joint_attention_mask(main_mask, g)  # shared by every layer
         kv_index = self._main_kv_index(batch, context)
-        flat_pos = s_pos.flatten()
-        for layer in self.layers:
+        for layer, mm in zip(self.layers, self.weights.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(s.view(-1, hidden))
-            qkv, _ = attn.qkv_proj(x)
+            h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            qkv = mm.qkv(rms_norm(s, layer.input_layernorm))
             q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
             q, k = attn.rotary_emb(flat_pos, q, k)
-            h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            q = q.view(r, a, g, h_q, d).permute(0, 3, 1, 2, 4)
-            k = k.view(r, a, g, h_kv, d).permute(0, 3, 1, 2, 4)
-            v = v.view(r, a, g, h_kv, d).permute(0, 3, 1, 2, 4)
+            q = q.reshape(r, a * g, h_q, d).transpose(1, 2)
+            k = k.reshape(r, a * g, h_kv, d).transpose(1, 2)
+            v = v.reshape(r, a * g, h_kv, d).transpose(1, 2)
             k_main, v_main = self._main_kv(layer, kv_index, r, p_max)
-            o = multi_stream_attention(q, k_main, v_main, k, v, main_mask, attn.scaling)
-            o = o.permute(0, 2, 3, 1, 4).reshape(r * a * g, h_q * d)
-            out, _ = attn.o_proj(o)
-            s = s + out.view_as(s)
-            s = s + layer.mlp(layer.post_attention_layernorm(s.view(-1, hidden))).view_as(s)
-        return self.model.model.norm(s.view(-1, hidden)).view_as(s)
+            o = joint_stream_attention(q, k_main, v_main, k, v, mask, attn.scaling)
+            s = s + mm.o(o.transpose(1, 2).reshape(r * a * g, h_q * d))
+            x = rms_norm(s, layer.post_attention_layernorm)
+            s = s + mm.down(layer.mlp.act_fn(mm.gate_up(x)))
+        return rms_norm(s, self.model.model.norm).view(shape)

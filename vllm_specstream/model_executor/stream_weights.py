@@ -1,0 +1,207 @@
+"""The stream pass's matmuls: vLLM's own layer modules, or prepacked bf16 copies of them.
+
+The streams only propose tokens (vLLM verifies every draft with the main stream), so their
+matmuls may run at a lower precision than the served model without changing any output.
+On a CPU with native bf16 dot products (AVX512-BF16, AMX) an fp32 checkpoint's stream pass
+then reads half the bytes of the top ``num_msa_layers`` layers and of the LM head: the LM head
+over 4 stream rows drops from ~4.6 to ~1.9 ms on a Zen 4 core.
+
+``SPECSTREAM_STREAM_DTYPE`` chooses (read in the engine's worker at model load):
+
+* ``auto`` (default): bf16 copies when the platform is CPU, the model is fp32, the CPU has
+  native bf16 and the model is not tensor-parallel; vLLM's modules otherwise.
+* ``model``: always vLLM's modules (the served dtype; drafts equal the training
+  implementation's up to summation order).
+* ``bfloat16``: bf16 copies wherever vLLM's CPU oneDNN GEMM is available.
+
+This module is the one touch point with vLLM's CPU GEMM ops (``vllm._custom_ops``:
+``create_onednn_mm`` / ``onednn_mm``); ``tests/vllm/test_stream_weights.py`` fails when they
+change.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm_specstream.config import ConfigError
+from vllm_specstream.logger import init_logger
+
+logger = init_logger(__name__)
+
+Tensor = torch.Tensor
+Matmul = Callable[[Tensor], Tensor]
+
+ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
+STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
+
+
+def stream_dtype_mode() -> str:
+    """``$SPECSTREAM_STREAM_DTYPE``, checked (default ``auto``)."""
+    mode = os.environ.get(ENV_STREAM_DTYPE, "auto").strip().lower() or "auto"
+    if mode not in STREAM_DTYPE_MODES:
+        raise ConfigError(
+            f"{ENV_STREAM_DTYPE}={os.environ[ENV_STREAM_DTYPE]!r}: choose one of "
+            f"{list(STREAM_DTYPE_MODES)}"
+        )
+    return mode
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 natively (else oneDNN emulates it, slower than fp32)."""
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def onednn_available() -> bool:
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return False
+    return bool(getattr(ops, "_supports_onednn", False))
+
+
+def packed_reason(mode: str, platform_is_cpu: bool, model_dtype, tp_size: int) -> str | None:
+    """Why the stream pass keeps vLLM's modules under ``mode`` (None: use bf16 copies)."""
+    if mode == "model":
+        return f"{ENV_STREAM_DTYPE}=model"
+    if not platform_is_cpu:
+        return "not a CPU platform"
+    if tp_size != 1:
+        return f"tensor parallel size {tp_size}"
+    if not onednn_available():
+        return "vLLM's oneDNN GEMM is not available"
+    if mode == "auto":
+        if model_dtype != torch.float32:
+            return f"the model runs in {model_dtype} already"
+        if not native_bf16_cpu():
+            return "this CPU has no native bf16 (AVX512-BF16/AMX)"
+    return None
+
+
+class PackedLinear:
+    """``y = x W^T + b`` through a oneDNN handle over a bf16 copy of ``W``; returns ``x``'s
+    dtype. The handle owns its packed copy, so ``W`` may be freed afterwards."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        from vllm import _custom_ops as ops
+
+        self._ops = ops
+        self.handle = ops.create_onednn_mm(weight.detach().to(torch.bfloat16).t(), 32)
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self._ops.onednn_mm(self.handle, x.to(torch.bfloat16).contiguous(), self.bias)
+        return y.to(x.dtype)
+
+
+def module_matmul(module: nn.Module) -> Matmul:
+    """A vLLM linear module as a function of its input (it all-reduces under TP itself)."""
+
+    def run(x: Tensor) -> Tensor:
+        return module(x)[0]
+
+    return run
+
+
+@dataclass
+class LayerMatmuls:
+    """The four projections of one decoder layer, as the stream pass calls them."""
+
+    qkv: Matmul
+    o: Matmul
+    gate_up: Matmul
+    down: Matmul
+
+    @classmethod
+    def of_modules(cls, layer: nn.Module) -> LayerMatmuls:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(
+            module_matmul(attn.qkv_proj),
+            module_matmul(attn.o_proj),
+            module_matmul(mlp.gate_up_proj),
+            module_matmul(mlp.down_proj),
+        )
+
+    @classmethod
+    def packed(cls, layer: nn.Module) -> LayerMatmuls:
+        """bf16 copies of a layer's (loaded, not yet post-processed) weights."""
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def pack(linear: nn.Module) -> PackedLinear:
+            return PackedLinear(linear.weight, getattr(linear, "bias", None))
+
+        return cls(
+            pack(attn.qkv_proj), pack(attn.o_proj), pack(mlp.gate_up_proj), pack(mlp.down_proj)
+        )
+
+
+def plain_weights(modules: list[nn.Module]) -> bool:
+    """Whether every module carries an unquantized 2-D floating-point weight."""
+    for m in modules:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, Tensor) or w.dim() != 2 or not w.is_floating_point() or w.is_meta:
+            return False
+    return True
+
+
+@dataclass
+class StreamWeights:
+    """Matmuls of the stream pass: one :class:`LayerMatmuls` per MSA layer and the LM head
+    (``None``: the model's ``compute_logits``)."""
+
+    layers: list[LayerMatmuls]
+    lm_head: Matmul | None = None
+    dtype: str = "model"
+
+    @classmethod
+    def of_modules(cls, layers: list[nn.Module]) -> StreamWeights:
+        return cls([LayerMatmuls.of_modules(layer) for layer in layers])
+
+    @classmethod
+    def pack(cls, layers: list[nn.Module], lm_head_weight: Tensor) -> StreamWeights:
+        return cls(
+            [LayerMatmuls.packed(layer) for layer in layers],
+            PackedLinear(lm_head_weight),
+            "bfloat16",
+        )
+
+
+def build_stream_weights(
+    layers: list[nn.Module],
+    lm_head_weight: Tensor | None,
+    *,
+    platform_is_cpu: bool,
+    model_dtype: torch.dtype,
+    tp_size: int,
+) -> StreamWeights | None:
+    """bf16 copies for the stream pass if ``$SPECSTREAM_STREAM_DTYPE`` and the machine call
+    for them and the weights are plain tensors; ``None`` keeps vLLM's modules."""
+    mode = stream_dtype_mode()
+    reason = packed_reason(mode, platform_is_cpu, model_dtype, tp_size)
+    linears = [
+        m
+        for layer in layers
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+        + (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
+    if reason is None and (lm_head_weight is None or not plain_weights(linears)):
+        reason = "the stream layers' weights are not plain tensors (quantized?)"
+    if reason is not None:
+        if mode == "bfloat16":
+            raise ConfigError(f"{ENV_STREAM_DTYPE}=bfloat16 cannot be honoured: {reason}")
+        logger.info("specstream stream pass in the model's dtype (%s)", reason)
+        return None
+    weights = StreamWeights.pack(layers, lm_head_weight)
+    logger.info(
+        "specstream stream pass in bf16: prepacked copies of %d layers and the LM head "
+        "(drafts only; outputs stay the model's; %s=model turns it off)",
+        len(layers),
+        ENV_STREAM_DTYPE,
+    )
+    return weights
