@@ -37,12 +37,17 @@ def naive_msa(q, k_main, v_main, k_s, v_s, anchor_pos, scale):
     return out
 
 
-def test_batched_msa_equals_naive():
-    torch.manual_seed(0)
-    b, h, kv, a, g, d, p = 2, 4, 2, 3, 3, 8, 7
+def random_msa_inputs(seed, b, h, kv, a, g, d, p):
+    """Queries ``[b, h, a, g, d]``, main keys/values ``[b, kv, p, d]``, stream keys/values
+    ``[b, kv, a, g, d]``."""
+    torch.manual_seed(seed)
     q = torch.randn(b, h, a, g, d)
-    k_main, v_main = torch.randn(b, kv, p, d), torch.randn(b, kv, p, d)
-    k_s, v_s = torch.randn(b, kv, a, g, d), torch.randn(b, kv, a, g, d)
+    return q, *torch.randn(2, b, kv, p, d), *torch.randn(2, b, kv, a, g, d)
+
+
+def test_batched_msa_equals_naive():
+    b, h, kv, a, g, d, p = 2, 4, 2, 3, 3, 8, 7
+    q, k_main, v_main, k_s, v_s = random_msa_inputs(0, b, h, kv, a, g, d, p)
     anchor_pos = torch.tensor([[0, 3, 6], [2, 2, 5]])
     mask = anchor_main_mask(anchor_pos, torch.arange(p))
     got = multi_stream_attention(q, k_main, v_main, k_s, v_s, mask, 0.3)
@@ -54,11 +59,8 @@ def test_joint_attention_equals_naive_and_keeps_padding_anchors_finite():
     """The inference form (one fused attention over [main keys, stream keys], queries
     flattened anchor-major) equals the per-anchor reference; a padding anchor (sees no main
     key) still gets finite outputs."""
-    torch.manual_seed(2)
     b, h, kv, a, g, d, p = 2, 6, 2, 3, 4, 8, 9
-    q = torch.randn(b, h, a, g, d)
-    k_main, v_main = torch.randn(b, kv, p, d), torch.randn(b, kv, p, d)
-    k_s, v_s = torch.randn(b, kv, a, g, d), torch.randn(b, kv, a, g, d)
+    q, k_main, v_main, k_s, v_s = random_msa_inputs(2, b, h, kv, a, g, d, p)
     anchor_pos = torch.tensor([[1, 4, 8], [0, 6, 7]])
     valid = torch.tensor([[True, True, True], [True, True, False]])
     main_mask = anchor_main_mask(anchor_pos, torch.arange(p)) & valid[..., None]
