@@ -183,15 +183,18 @@ def build_stream_weights(
     """bf16 copies for the stream pass if ``$SPECSTREAM_STREAM_DTYPE`` and the machine call
     for them and the weights are plain tensors; ``None`` keeps vLLM's modules."""
     mode = stream_dtype_mode()
+    if not all(hasattr(x, "self_attn") for x in layers):
+        return None  # a pipeline-parallel rank without the MSA layers runs no streams
     reason = packed_reason(mode, platform_is_cpu, model_dtype, tp_size)
-    linears = [
-        m
-        for layer in layers
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
-        + (layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    ]
-    if reason is None and (lm_head_weight is None or not plain_weights(linears)):
-        reason = "the stream layers' weights are not plain tensors (quantized?)"
+    if reason is None:
+        linears = [
+            m
+            for layer in layers
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+            + (layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        if lm_head_weight is None or not plain_weights(linears):
+            reason = "the stream layers' weights are not plain tensors (quantized?)"
     if reason is not None:
         if mode == "bfloat16":
             raise ConfigError(f"{ENV_STREAM_DTYPE}=bfloat16 cannot be honoured: {reason}")
