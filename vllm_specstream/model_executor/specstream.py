@@ -122,7 +122,6 @@ class SpecStreamMixin:
         self._layer_name = attention_layer_name(f"{prefix}.model." if prefix else "model.", n - 1)
         self._runner: StreamRunner | None = None
         self._stream_weights: StreamWeights | None = None
-        self._platform_is_cpu = current_platform.is_cpu()
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._model_dtype = vllm_config.model_config.dtype
         self.stash: StreamStash | None = None
@@ -164,7 +163,7 @@ class SpecStreamMixin:
             self._stream_weights = build_stream_weights(
                 list(self.model.layers)[self.first_msa_layer :],
                 self._lm_head_weight(),
-                platform_is_cpu=self._platform_is_cpu,
+                platform_is_cpu=current_platform.is_cpu(),
                 model_dtype=self._model_dtype,
                 tp_size=self._tp_size,
             )

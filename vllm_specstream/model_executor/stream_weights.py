@@ -109,6 +109,12 @@ def module_matmul(module: nn.Module) -> Matmul:
     return run
 
 
+def layer_linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A decoder layer's four projections, in :class:`LayerMatmuls` field order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 @dataclass
 class LayerMatmuls:
     """The four projections of one decoder layer, as the stream pass calls them."""
@@ -120,24 +126,13 @@ class LayerMatmuls:
 
     @classmethod
     def of_modules(cls, layer: nn.Module) -> LayerMatmuls:
-        attn, mlp = layer.self_attn, layer.mlp
-        return cls(
-            module_matmul(attn.qkv_proj),
-            module_matmul(attn.o_proj),
-            module_matmul(mlp.gate_up_proj),
-            module_matmul(mlp.down_proj),
-        )
+        return cls(*(module_matmul(m) for m in layer_linears(layer)))
 
     @classmethod
     def packed(cls, layer: nn.Module) -> LayerMatmuls:
         """bf16 copies of a layer's (loaded, not yet post-processed) weights."""
-        attn, mlp = layer.self_attn, layer.mlp
-
-        def pack(linear: nn.Module) -> PackedLinear:
-            return PackedLinear(linear.weight, getattr(linear, "bias", None))
-
         return cls(
-            pack(attn.qkv_proj), pack(attn.o_proj), pack(mlp.gate_up_proj), pack(mlp.down_proj)
+            *(PackedLinear(m.weight, getattr(m, "bias", None)) for m in layer_linears(layer))
         )
 
 
@@ -157,7 +152,6 @@ class StreamWeights:
 
     layers: list[LayerMatmuls]
     lm_head: Matmul | None = None
-    dtype: str = "model"
 
     @classmethod
     def of_modules(cls, layers: list[nn.Module]) -> StreamWeights:
@@ -165,11 +159,7 @@ class StreamWeights:
 
     @classmethod
     def pack(cls, layers: list[nn.Module], lm_head_weight: Tensor) -> StreamWeights:
-        return cls(
-            [LayerMatmuls.packed(layer) for layer in layers],
-            PackedLinear(lm_head_weight),
-            "bfloat16",
-        )
+        return cls([LayerMatmuls.packed(layer) for layer in layers], PackedLinear(lm_head_weight))
 
 
 def build_stream_weights(
@@ -187,12 +177,7 @@ def build_stream_weights(
         return None  # a pipeline-parallel rank without the MSA layers runs no streams
     reason = packed_reason(mode, platform_is_cpu, model_dtype, tp_size)
     if reason is None:
-        linears = [
-            m
-            for layer in layers
-            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
-            + (layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        ]
+        linears = [m for layer in layers for m in layer_linears(layer)]
         if lm_head_weight is None or not plain_weights(linears):
             reason = "the stream layers' weights are not plain tensors (quantized?)"
     if reason is not None:
