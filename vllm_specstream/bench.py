@@ -34,6 +34,9 @@ logger = init_logger(__name__)
 #: off): the row that shows where speculation stops paying.
 METHODS = ("plain", "ngram", "medusa", "specstream", "specstream-fixed")
 
+#: vLLM's CPU worker thread binding (``auto``: all cores but one, kept for the front-end).
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
 
 @dataclass
 class BenchConfig:
@@ -66,6 +69,10 @@ class BenchConfig:
     """fp32 is the fast dtype on CPUs without native bf16 matmuls (see README)."""
     ngram_lookup: tuple[int, int] = (2, 4)
     """``prompt_lookup_min``, ``prompt_lookup_max`` of vLLM's ngram method."""
+    omp_threads_bind: str | None = None
+    """``VLLM_CPU_OMP_THREADS_BIND`` for every method's engine on CPU; None keeps the
+    environment's (vLLM's default ``auto`` leaves one core to the front-end process,
+    ``nobind`` lets the worker use every core)."""
     engine_options: dict = field(default_factory=dict)
     """Extra ``LLM(...)`` keyword arguments for every method."""
     specstream_options: dict = field(default_factory=dict)
@@ -216,6 +223,7 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
             delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
             drafts = delta.get("vllm:spec_decode_num_drafts", 0.0)
             accepted = delta.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+            draft_tokens = delta.get("vllm:spec_decode_num_draft_tokens", 0.0)
             cells.append(
                 {
                     "temperature": temperature,
@@ -224,6 +232,7 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
                     "tokens": tokens,
                     "output_tokens": out_tokens,
                     "drafts": drafts,
+                    "draft_tokens": draft_tokens,
                     "accepted": accepted,
                 }
             )
@@ -245,6 +254,23 @@ def _emit(line: str) -> None:
     sys.stdout.flush()
 
 
+def engine_env(cfg: BenchConfig) -> dict[str, str]:
+    """The environment of every method's child process."""
+    env = dict(os.environ)
+    if cfg.omp_threads_bind:
+        env[OMP_BIND] = cfg.omp_threads_bind
+    return env
+
+
+def env_setting(cfg: BenchConfig) -> str:
+    """The engines' environment knobs, for the report: the CPU worker thread binding and any
+    ``SPECSTREAM_*`` variable that is set."""
+    env = engine_env(cfg)
+    knobs = [f"{OMP_BIND}={env.get(OMP_BIND, 'auto')}"]
+    knobs += [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("SPECSTREAM_")]
+    return ", ".join(knobs)
+
+
 def run_method(method: str, cfg: BenchConfig, on_progress=lambda: None) -> dict:
     """Run ``method`` in a child process; ``on_progress`` is called after each generate."""
     payload = json.dumps({**asdict(cfg), "_method": method})
@@ -255,7 +281,7 @@ def run_method(method: str, cfg: BenchConfig, on_progress=lambda: None) -> dict:
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            env=dict(os.environ),
+            env=engine_env(cfg),
         )
         result = None
         assert proc.stdout is not None
@@ -295,6 +321,10 @@ def summarize(results: dict[str, dict], cfg: BenchConfig) -> list[dict]:
                     if c["drafts"]
                     else 1.0,
                     "cr_ratio": round(c["output_tokens"] / passes, 3) if passes else 1.0,
+                    # Drafted tokens (verified rows beyond the first) per output token.
+                    "drafted_per_token": round(c.get("draft_tokens", 0.0) / c["output_tokens"], 3)
+                    if c["output_tokens"]
+                    else 0.0,
                     "lossless": (c["tokens"] == ref["tokens"]) if c["temperature"] == 0 else None,
                     "extra_params": extra,
                 }
@@ -312,7 +342,7 @@ def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
         first = dict(cells[0])
         for key in ("tok_s", "speedup"):
             first[key] = round(statistics.median(c[key] for c in cells), 3)
-        for key in ("tokens_per_step", "cr_ratio"):
+        for key in ("tokens_per_step", "cr_ratio", "drafted_per_token"):
             first[key] = round(statistics.fmean(c[key] for c in cells), 3)
         if first["lossless"] is not None:
             first["lossless"] = all(c["lossless"] for c in cells)
@@ -395,7 +425,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     setting = (
         f"{cfg.num_prompts} prompts ({cfg.prompts or cfg.task + ' test split'}), max_tokens "
         f"{cfg.max_tokens}, {cfg.dtype}, eager, k={cfg.num_speculative_tokens}, "
-        f"{cfg.repeats} repeats, median tok/s over batches"
+        f"{env_setting(cfg)}, {cfg.repeats} repeats, median tok/s over batches"
         + (f", {cfg.rounds} rounds (median of per-round speedups)" if cfg.rounds > 1 else "")
     )
     report = {

@@ -211,6 +211,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             rounds=args.rounds,
             dtype=args.dtype,
+            omp_threads_bind=args.omp_threads_bind,
         )
     except ValueError as e:
         print(f"specstream bench: error: {e}", file=sys.stderr)
@@ -346,6 +347,12 @@ def _add_training_parsers(sub) -> None:
         "per-round ratios (use 2-3 on a shared machine, whose speed drifts over minutes)",
     )
     p.add_argument("--dtype", default="float32", help="engine dtype (fp32 is fast on CPUs)")
+    p.add_argument(
+        "--omp-threads-bind",
+        help="VLLM_CPU_OMP_THREADS_BIND for every engine (default: the environment's, else "
+        "vLLM's 'auto', which keeps one core for the front-end; 'nobind' gives the worker "
+        "all cores); recorded in the report",
+    )
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=_cmd_bench)
 

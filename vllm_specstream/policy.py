@@ -3,15 +3,24 @@
 Verifying ``k`` drafts makes every request's forward ``k + 1`` rows long. At batch 1 the
 extra rows are nearly free (the step is bound by reading the weights); as the batch grows
 the step becomes bound by arithmetic and the extra rows cost about what they save, then
-more. The policy is a batch-size schedule in vLLM's own format
-(``num_speculative_tokens_per_batch_size``: inclusive ranges ``(first, last, k)``), so a
-user can set it on the command line like for vLLM's built-in methods; the proposer applies
-it (vLLM does not pass its dynamic draft length to ``custom_class`` proposers).
+more. Two rules bound the drafts:
+
+* **Load**: a batch-size schedule in vLLM's own format
+  (``num_speculative_tokens_per_batch_size``: inclusive ranges ``(first, last, k)``), so a
+  user can set it on the command line like for vLLM's built-in methods; the proposer
+  applies it (vLLM does not pass its dynamic draft length to ``custom_class`` proposers).
+* **Stream confidence** (``$SPECSTREAM_DRAFT_MIN_PROB``, off by default): a request's draft
+  stops before the first stream whose cumulative top-1 probability (the product of the
+  streams' top-1 probabilities up to it, an estimate of the chance the whole prefix is
+  accepted) falls below the threshold; below it at stream 1, the request does not draft.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+
+import torch
 
 Schedule = list[tuple[int, int, int]]
 
@@ -59,3 +68,31 @@ def draft_length(schedule: Schedule | None, batch_size: int, k: int) -> int:
             break
         n = length
     return min(n, k)
+
+
+ENV_DRAFT_MIN_PROB = "SPECSTREAM_DRAFT_MIN_PROB"
+
+
+def draft_min_prob_from_env() -> float:
+    """``$SPECSTREAM_DRAFT_MIN_PROB``, checked: a probability in ``[0, 1)``; 0 (the default)
+    turns the confidence rule off."""
+    text = os.environ.get(ENV_DRAFT_MIN_PROB, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{ENV_DRAFT_MIN_PROB}={text!r}: expected a probability in [0, 1) (0 turns the "
+            "confidence rule off)"
+        )
+    return value
+
+
+def confident_drafts(tokens: torch.Tensor, top_prob: torch.Tensor, min_prob: float) -> torch.Tensor:
+    """``tokens`` (``[N, G]`` stream top-1 tokens per anchor) with -1 from the first stream
+    whose cumulative top-1 probability (``top_prob``, ``[N, G]``) is below ``min_prob``."""
+    keep = torch.cumprod(top_prob, dim=-1) >= min_prob
+    return torch.where(keep, tokens, torch.full_like(tokens, -1))

@@ -12,7 +12,14 @@ import numpy as np
 
 from vllm_specstream.config import ConfigError
 from vllm_specstream.logger import init_logger
-from vllm_specstream.policy import DEFAULT_SCHEDULE, clamp_schedule, draft_length, validate_schedule
+from vllm_specstream.policy import (
+    DEFAULT_SCHEDULE,
+    ENV_DRAFT_MIN_PROB,
+    clamp_schedule,
+    draft_length,
+    draft_min_prob_from_env,
+    validate_schedule,
+)
 
 logger = init_logger(__name__)
 
@@ -70,12 +77,12 @@ def select_drafts(
 def drafts_at(
     num_rows: int, rows: list[int], indices: list[int], draft_table, k: int
 ) -> list[list[int]]:
-    """``draft_table[indices[i]][:k]`` for row ``rows[i]``, ``[]`` for the other rows and for
-    anchors without drafts."""
+    """``draft_table[indices[i]][:k]`` up to its first -1 (no draft from that stream on) for
+    row ``rows[i]``, ``[]`` for the other rows."""
     drafts: list[list[int]] = [[] for _ in range(num_rows)]
     for i, idx in zip(rows, indices):
         row = [int(t) for t in draft_table[idx][:k]]
-        drafts[i] = [] if row and row[0] < 0 else row
+        drafts[i] = row[: next((j for j, t in enumerate(row) if t < 0), len(row))]
     return drafts
 
 
@@ -87,7 +94,9 @@ class SpecStreamProposer:
     CPU, the subclasses below pin either.
 
     Draft length per step follows a batch-size schedule (:mod:`vllm_specstream.policy`):
-    vLLM's ``num_speculative_tokens_per_batch_size`` when set, else ``DEFAULT_SCHEDULE``.
+    vLLM's ``num_speculative_tokens_per_batch_size`` when set, else ``DEFAULT_SCHEDULE``;
+    with ``$SPECSTREAM_DRAFT_MIN_PROB`` the model also cuts each draft where the streams'
+    confidence runs out (-1 in its draft table).
     """
 
     placement = "accepted"
@@ -107,6 +116,13 @@ class SpecStreamProposer:
             self.schedule,
             "" if user else " (default; set num_speculative_tokens_per_batch_size to change)",
         )
+        min_prob = draft_min_prob_from_env()
+        if min_prob > 0:
+            logger.info(
+                "specstream drafts stop below cumulative stream probability %g (%s)",
+                min_prob,
+                ENV_DRAFT_MIN_PROB,
+            )
         self.target = None
 
     def load_model(self, target_model) -> None:

@@ -1,14 +1,18 @@
 """`specstream bench` without engines: configs per method, the summary math, the outputs."""
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from vllm_specstream.bench import (
+    OMP_BIND,
     BenchConfig,
     combine_rounds,
+    engine_env,
+    env_setting,
     extra_params,
     groups,
     markdown_table,
@@ -79,6 +83,7 @@ def _cell(t, b, rates, tokens, out, drafts=0.0, accepted=0.0):
         "tokens": tokens,
         "output_tokens": out,
         "drafts": drafts,
+        "draft_tokens": 4 * drafts,
         "accepted": accepted,
     }
 
@@ -100,6 +105,7 @@ def test_summary_speedup_tokens_per_step_cr_ratio_lossless(dirs, tmp_path):
     greedy = rows[("specstream", 0.0)]
     assert greedy["speedup"] == 2.0 and greedy["tokens_per_step"] == 3.0
     assert greedy["cr_ratio"] == 3.0  # 30 tokens in 10 forward passes
+    assert greedy["drafted_per_token"] == round(40 / 30, 3)  # 4 drafts per drafting step
     assert greedy["lossless"] is True and greedy["extra_params"] == 32
     assert rows[("specstream", 0.7)]["lossless"] is None  # sampled: checked by a test instead
     assert rows[("plain", 0.0)]["speedup"] == 1.0 and rows[("plain", 0.0)]["cr_ratio"] == 1.0
@@ -135,3 +141,20 @@ def test_rounds_combine_per_round_speedups(dirs):
     assert rows[1]["lossless"] is False  # one round differing from plain is enough
     with pytest.raises(ValueError, match="--rounds"):
         BenchConfig(checkpoint=str(dirs[0]), rounds=0)
+
+
+def test_environment_knobs_reach_every_engine_and_the_report(dirs, monkeypatch):
+    ckpt, _ = dirs
+    for k in list(os.environ):
+        if k == OMP_BIND or k.startswith("SPECSTREAM_"):
+            monkeypatch.delenv(k)
+    default = BenchConfig(checkpoint=str(ckpt))
+    assert OMP_BIND not in engine_env(default)
+    assert env_setting(default) == f"{OMP_BIND}=auto"
+    monkeypatch.setenv(OMP_BIND, "0")
+    monkeypatch.setenv("SPECSTREAM_DRAFT_MIN_PROB", "0.3")
+    # The environment's knobs are recorded.
+    assert env_setting(default) == f"{OMP_BIND}=0, SPECSTREAM_DRAFT_MIN_PROB=0.3"
+    nobind = BenchConfig(checkpoint=str(ckpt), omp_threads_bind="nobind")
+    assert engine_env(nobind)[OMP_BIND] == "nobind"  # the flag wins over the environment
+    assert env_setting(nobind).startswith(f"{OMP_BIND}=nobind")

@@ -9,11 +9,14 @@ import torch
 from vllm_specstream import speculative_config
 from vllm_specstream.policy import (
     DEFAULT_SCHEDULE,
+    ENV_DRAFT_MIN_PROB,
     clamp_schedule,
+    confident_drafts,
     draft_length,
+    draft_min_prob_from_env,
     validate_schedule,
 )
-from vllm_specstream.proposer import SpecStreamProposer
+from vllm_specstream.proposer import SpecStreamProposer, drafts_at
 
 
 def test_draft_length_reads_ranges_gaps_and_tail_like_vllm():
@@ -90,3 +93,29 @@ def test_proposer_follows_the_schedule():
     assert _propose([(1, 1, 4), (2, 8, 2)], 3) == [[11, 12]] * 3
     with pytest.raises(ValueError, match="overlap"):
         _propose([(1, 4, 4), (2, 8, 2)], 1)
+
+
+def test_confident_drafts_cut_at_the_cumulative_probability():
+    tokens = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]])
+    top_prob = torch.tensor(
+        [[0.9, 0.9, 0.9, 0.9], [0.4, 0.99, 0.99, 0.99], [0.99, 0.3, 0.99, 0.99]]
+    )
+    # Cumulative: .9 .81 .73 .66 | .4 ... | .99 .297 ...: a confident stream after an
+    # unconfident one does not come back.
+    got = confident_drafts(tokens, top_prob, 0.7)
+    assert got.tolist() == [[11, 12, 13, -1], [-1] * 4, [31, -1, -1, -1]]
+    assert torch.equal(confident_drafts(tokens, top_prob, 0.0), tokens)
+    # The proposer hands out each row up to its first -1 (and at most k).
+    table = torch.cat([torch.full((1, 4), -1), got])
+    assert drafts_at(4, [0, 1, 2, 3], [1, 2, 3, 0], table, k=2) == [[11, 12], [], [31], []]
+
+
+def test_draft_min_prob_env(monkeypatch):
+    monkeypatch.delenv(ENV_DRAFT_MIN_PROB, raising=False)
+    assert draft_min_prob_from_env() == 0.0
+    monkeypatch.setenv(ENV_DRAFT_MIN_PROB, "0.25")
+    assert draft_min_prob_from_env() == 0.25
+    for bad in ("1", "-0.1", "high"):
+        monkeypatch.setenv(ENV_DRAFT_MIN_PROB, bad)
+        with pytest.raises(ValueError, match=f"{ENV_DRAFT_MIN_PROB}='{bad}'"):
+            draft_min_prob_from_env()

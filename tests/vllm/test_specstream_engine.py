@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vllm_specstream.model_executor.stream_weights import ENV_STREAM_DTYPE
+from vllm_specstream.policy import ENV_DRAFT_MIN_PROB
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -196,8 +197,8 @@ DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm
 
 @pytest.fixture(scope="module")
 def demo_runs(base_model_dir, tmp_path_factory):
-    """The committed demo adapter merged onto the embedded model (fp32), plain and
-    speculative, on 32 SQL test prompts in one batch."""
+    """The committed demo adapter merged onto the embedded model (fp32): plain, speculative,
+    and speculative with the stream-confidence rule, on 32 SQL test prompts in one batch."""
     import torch
     from transformers import AutoTokenizer
 
@@ -213,14 +214,15 @@ def demo_runs(base_model_dir, tmp_path_factory):
         for r in build_task("sql", "test", n=32)
     ]
     plain = run_engine(tmp, ckpt, 0, {}, requests)
-    return plain, run_engine(tmp, ckpt, 4, {}, requests)
+    spec = run_engine(tmp, ckpt, 4, {}, requests)
+    return plain, spec, run_engine(tmp, ckpt, 4, {}, requests, env={ENV_DRAFT_MIN_PROB: "0.5"})
 
 
 def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
     """A trained checkpoint: outputs identical to plain decoding over 32 prompts, and the
     streams' drafts are mostly accepted (reference decoder: 3.2 tokens per step on the whole
     test split)."""
-    plain, spec = demo_runs
+    plain, spec, _ = demo_runs
     assert spec["tokens"] == plain["tokens"]
     metrics = spec["metrics"]
     tokens_per_step = 1 + (
@@ -229,6 +231,25 @@ def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
     assert tokens_per_step > 2.5, metrics
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == 4 and per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0
+
+
+def test_confidence_rule_drafts_less_and_stays_lossless(demo_runs):
+    """``SPECSTREAM_DRAFT_MIN_PROB``: shorter drafts, a larger share of them accepted, the
+    same outputs."""
+    plain, spec, confident = demo_runs
+    assert confident["tokens"] == plain["tokens"]
+
+    def draft_len_and_acceptance(run):
+        m = run["metrics"]
+        tokens = m["vllm:spec_decode_num_draft_tokens"]
+        return tokens / m["vllm:spec_decode_num_drafts"], m[
+            "vllm:spec_decode_num_accepted_tokens"
+        ] / tokens
+
+    full_len, full_rate = draft_len_and_acceptance(spec)
+    cut_len, cut_rate = draft_len_and_acceptance(confident)
+    assert full_len == 4.0 and 1.0 <= cut_len < 3.9, (full_len, cut_len)
+    assert cut_rate > full_rate, (cut_rate, full_rate)
 
 
 def test_per_request_metrics_add_up_to_the_engine_counters(demo_runs):

@@ -46,6 +46,7 @@ from vllm_specstream.model_executor.stream_forward import (
     window_anchors,
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
+from vllm_specstream.policy import confident_drafts, draft_min_prob_from_env
 
 logger = init_logger(__name__)
 
@@ -65,7 +66,8 @@ class StreamStash:
     input_ids: torch.Tensor
     """``[num_tokens]`` the scheduled tokens of the forward."""
     draft_table: torch.Tensor
-    """``[num_tokens, G]`` top-1 stream tokens of each anchor token; -1 elsewhere."""
+    """``[num_tokens, G]`` top-1 stream tokens of each anchor token; -1 elsewhere and from
+    the first stream below the confidence threshold on."""
     msa_input: torch.Tensor | None = None
     """``[num_tokens, h]`` residual stream entering L0, kept until ``draft_at`` (placement
     ``"accepted"``)."""
@@ -124,6 +126,7 @@ class SpecStreamMixin:
         self._stream_weights: StreamWeights | None = None
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._model_dtype = vllm_config.model_config.dtype
+        self.draft_min_prob = draft_min_prob_from_env() if self.num_speculative_tokens else 0.0
         self.stash: StreamStash | None = None
         self._step = 0
         #: Set by the proposer in ``load_model``.
@@ -220,11 +223,18 @@ class SpecStreamMixin:
         hidden = self._runner(msa_input, self.stash.batch, anchors)
         rows = hidden[valid].reshape(-1, hidden.shape[-1])
         head = self._runner.weights.lm_head
-        # Any positive logit scale or soft cap keeps the argmax of the plain projection.
+        # Any positive logit scale or soft cap keeps the argmax of the plain projection (the
+        # confidence rule reads its softmax: exact for Llama/Qwen2, which have neither).
         logits = head(rows) if head is not None else self.compute_logits(rows)
-        if logits is not None:  # None on tensor-parallel ranks other than the first
-            g = self.spec_config.num_streams
-            self.stash.draft_table[anchors[valid]] = logits.argmax(dim=-1).view(-1, g)
+        if logits is None:  # tensor-parallel ranks other than the first
+            return
+        g = self.spec_config.num_streams
+        if self.draft_min_prob > 0:
+            top_prob, tokens = logits.float().softmax(dim=-1).max(dim=-1)
+            tokens = confident_drafts(tokens.view(-1, g), top_prob.view(-1, g), self.draft_min_prob)
+        else:
+            tokens = logits.argmax(dim=-1).view(-1, g)
+        self.stash.draft_table[anchors[valid]] = tokens
 
 
 class SpecStreamLlamaForCausalLM(SpecStreamMixin, LlamaForCausalLM):
