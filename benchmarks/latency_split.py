@@ -14,33 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
+
+from bs1_child import emit_result, make_llm, run_child, task_prompts
 
 from vllm_specstream.machine import describe_machine
 
 
 def child(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_specstream import speculative_config
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
-    from vllm_specstream.training.data import prompt_text
-    from vllm_specstream.training.tasks import build_task, to_example
-
-    tok = AutoTokenizer.from_pretrained(args.ckpt)
-    prompts = [
-        prompt_text(tok, to_example(args.task, r).messages)
-        for r in build_task(args.task, "test", n=args.n)
-    ]
-    kw = cpu_engine_kwargs(dtype=args.dtype)
-    if args.k:
-        kw["speculative_config"] = speculative_config(args.k)
-    llm = LLM(model=args.ckpt, **kw)
+    prompts = task_prompts(args.ckpt, args.task, args.n)
+    llm = make_llm(args.ckpt, args.dtype, args.k)
     first = SamplingParams(temperature=0.0, max_tokens=1)
     whole = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], whole, use_tqdm=False)  # warm-up
@@ -61,16 +47,13 @@ def child(args: argparse.Namespace) -> None:
                 "tokens": list(out.outputs[0].token_ids),
             }
         )
-    sys.stdout.write("RESULT " + json.dumps(rows) + "\n")
+    emit_result(rows)
 
 
 def run(args: argparse.Namespace, k: int) -> list[dict]:
-    cmd = [sys.executable, __file__, args.ckpt, "--child", "--k", str(k), "--task", args.task]
-    cmd += ["-n", str(args.n), "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    if out.returncode != 0:
-        raise SystemExit(out.stderr[-4000:])
-    return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    argv = [args.ckpt, "--child", "--k", str(k), "--task", args.task, "-n", str(args.n)]
+    argv += ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
+    return run_child(__file__, argv)
 
 
 def summary(rows: list[dict]) -> dict:

@@ -13,33 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
+
+from bs1_child import emit_result, make_llm, run_child, task_prompts
 
 from vllm_specstream.machine import describe_machine
 
 
 def child(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_specstream import speculative_config
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
-    from vllm_specstream.training.data import prompt_text
-    from vllm_specstream.training.tasks import build_task, to_example
-
-    tok = AutoTokenizer.from_pretrained(args.ckpt)
-    prompts = [
-        prompt_text(tok, to_example(args.task, r).messages)
-        for r in build_task(args.task, "test", n=args.n)
-    ]
-    kw = cpu_engine_kwargs(dtype=args.dtype)
-    if args.k:
-        kw["speculative_config"] = speculative_config(args.k, placement=args.placement)
-    llm = LLM(model=args.ckpt, disable_log_stats=False, **kw)
+    prompts = task_prompts(args.ckpt, args.task, args.n)
+    llm = make_llm(args.ckpt, args.dtype, args.k, args.placement, disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     before = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
@@ -56,30 +42,22 @@ def child(args: argparse.Namespace) -> None:
     d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in after if "spec_decode" in k}
     drafts = d.get("vllm:spec_decode_num_drafts", 0)
     accepted = d.get("vllm:spec_decode_num_accepted_tokens", 0)
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "rates": rates,
-                "tokens": tokens,
-                "total_tokens": total_tokens,
-                "total_time": total_time,
-                "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
-                "drafts": drafts,
-            }
-        )
+    emit_result(
+        {
+            "rates": rates,
+            "tokens": tokens,
+            "total_tokens": total_tokens,
+            "total_time": total_time,
+            "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
+            "drafts": drafts,
+        }
     )
 
 
 def run(args: argparse.Namespace, k: int, dtype: str, placement: str | None) -> dict:
-    cmd = [sys.executable, __file__, args.ckpt, "--child", "--k", str(k), "--task", args.task]
-    cmd += ["-n", str(args.n), "--max-tokens", str(args.max_tokens), "--dtype", dtype]
-    if placement:
-        cmd += ["--placement", placement]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    if out.returncode != 0:
-        raise SystemExit(out.stderr[-4000:])
-    return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    argv = [args.ckpt, "--child", "--k", str(k), "--task", args.task, "-n", str(args.n)]
+    argv += ["--max-tokens", str(args.max_tokens), "--dtype", dtype]
+    return run_child(__file__, argv + (["--placement", placement] if placement else []))
 
 
 def main() -> None:

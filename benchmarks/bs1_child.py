@@ -1,0 +1,49 @@
+"""Shared by the batch-1 scripts: the task's test prompts, one engine per child process, and
+the child's single ``RESULT`` line back to the parent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def task_prompts(ckpt: str, task: str, n: int) -> list[str]:
+    """The first ``n`` test prompts of a built-in task, in the checkpoint's chat format."""
+    from transformers import AutoTokenizer
+
+    from vllm_specstream.training.data import prompt_text
+    from vllm_specstream.training.tasks import build_task, to_example
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    return [prompt_text(tok, to_example(task, r).messages) for r in build_task(task, "test", n=n)]
+
+
+def make_llm(ckpt: str, dtype: str, k: int, placement: str | None = None, **llm_kwargs):
+    """A CPU engine for ``ckpt``: plain decoding with ``k = 0``, else specstream with k drafts."""
+    from vllm import LLM
+
+    from vllm_specstream import speculative_config
+    from vllm_specstream.cpu_env import cpu_engine_kwargs
+
+    kw = cpu_engine_kwargs(dtype=dtype)
+    if k:
+        kw["speculative_config"] = speculative_config(k, placement=placement)
+    return LLM(model=ckpt, **kw, **llm_kwargs)
+
+
+def emit_result(result) -> None:
+    # One write: vLLM's threads log to the same stdout.
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def run_child(script: str, argv: list[str]):
+    """Run ``script argv`` (a fresh engine) and return what its child emitted."""
+    out = subprocess.run(
+        [sys.executable, script, *argv], capture_output=True, text=True, env=dict(os.environ)
+    )
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-4000:])
+    return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
