@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from vllm_specstream.config import ConfigError
+
 Schedule = list[tuple[int, int, int]]
 
 #: Measured on the SQL demo checkpoint (fp32, 2-core CPU, benchmarks/adaptive_sweep.py,
@@ -84,7 +86,7 @@ def draft_min_prob_from_env() -> float:
     except ValueError:
         value = -1.0
     if not 0.0 <= value < 1.0:
-        raise ValueError(
+        raise ConfigError(
             f"{ENV_DRAFT_MIN_PROB}={text!r}: expected a probability in [0, 1) (0 turns the "
             "confidence rule off)"
         )

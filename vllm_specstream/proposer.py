@@ -14,10 +14,8 @@ from vllm_specstream.config import ConfigError
 from vllm_specstream.logger import init_logger
 from vllm_specstream.policy import (
     DEFAULT_SCHEDULE,
-    ENV_DRAFT_MIN_PROB,
     clamp_schedule,
     draft_length,
-    draft_min_prob_from_env,
     validate_schedule,
 )
 
@@ -116,13 +114,6 @@ class SpecStreamProposer:
             self.schedule,
             "" if user else " (default; set num_speculative_tokens_per_batch_size to change)",
         )
-        min_prob = draft_min_prob_from_env()
-        if min_prob > 0:
-            logger.info(
-                "specstream drafts stop below cumulative stream probability %g (%s)",
-                min_prob,
-                ENV_DRAFT_MIN_PROB,
-            )
         self.target = None
 
     def load_model(self, target_model) -> None:

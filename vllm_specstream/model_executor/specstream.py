@@ -46,7 +46,7 @@ from vllm_specstream.model_executor.stream_forward import (
     window_anchors,
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
-from vllm_specstream.policy import confident_drafts, draft_min_prob_from_env
+from vllm_specstream.policy import ENV_DRAFT_MIN_PROB, confident_drafts, draft_min_prob_from_env
 
 logger = init_logger(__name__)
 
@@ -127,6 +127,12 @@ class SpecStreamMixin:
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._model_dtype = vllm_config.model_config.dtype
         self.draft_min_prob = draft_min_prob_from_env() if self.num_speculative_tokens else 0.0
+        if self.draft_min_prob > 0:
+            logger.info(
+                "specstream drafts stop below cumulative stream probability %g (%s)",
+                self.draft_min_prob,
+                ENV_DRAFT_MIN_PROB,
+            )
         self.stash: StreamStash | None = None
         self._step = 0
         #: Set by the proposer in ``load_model``.
