@@ -8,15 +8,33 @@ from vllm_specstream.config import ConfigError
 from vllm_specstream.model_executor.stream_weights import (
     ENV_STREAM_DTYPE,
     PackedLinear,
+    bf16_gemm_available,
+    build_stream_weights,
     onednn_available,
     packed_reason,
     stream_dtype_mode,
 )
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="vLLM without oneDNN GEMM")
+needs_bf16_gemm = pytest.mark.skipif(
+    not bf16_gemm_available(),
+    reason="vLLM's oneDNN has no bf16 GEMM on this CPU (AVX2 only): the packed path cannot run",
+)
 
 
 @needs_onednn
+def test_bf16_probe_agrees_with_onednn():
+    """The probe says yes exactly where a real layer-sized handle can be made and run."""
+    try:
+        PackedLinear(torch.randn(96, 64))(torch.randn(3, 64))
+    except RuntimeError as e:
+        assert not bf16_gemm_available(), e
+        assert "primitive descriptor" in str(e)  # oneDNN's words when the ISA lacks bf16
+    else:
+        assert bf16_gemm_available()
+
+
+@needs_bf16_gemm
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_fp32_linear_and_owns_its_copy(bias):
     torch.manual_seed(0)
@@ -47,6 +65,7 @@ def test_packed_reason_rules(monkeypatch):
     import vllm_specstream.model_executor.stream_weights as sw
 
     monkeypatch.setattr(sw, "onednn_available", lambda: True)
+    monkeypatch.setattr(sw, "bf16_gemm_available", lambda: True)
     monkeypatch.setattr(sw, "native_bf16_cpu", lambda: True)
     f32, bf16 = torch.float32, torch.bfloat16
     assert packed_reason("auto", True, f32, 1) is None
@@ -58,5 +77,34 @@ def test_packed_reason_rules(monkeypatch):
     monkeypatch.setattr(sw, "native_bf16_cpu", lambda: False)
     assert "native bf16" in packed_reason("auto", True, f32, 1)
     assert packed_reason("bfloat16", True, f32, 1) is None
+    monkeypatch.setattr(sw, "bf16_gemm_available", lambda: False)
+    assert "no bf16 GEMM" in packed_reason("bfloat16", True, f32, 1)
     monkeypatch.setattr(sw, "onednn_available", lambda: False)
     assert "oneDNN" in packed_reason("bfloat16", True, f32, 1)
+
+
+def test_forced_bf16_falls_back_with_one_warning_where_it_cannot_run(monkeypatch, caplog):
+    """``SPECSTREAM_STREAM_DTYPE=bfloat16`` on a CPU without a bf16 GEMM: vLLM's modules, and
+    a warning that names the variable and the reason (was: the worker died in oneDNN)."""
+    import logging
+
+    import vllm_specstream.model_executor.stream_weights as sw
+
+    monkeypatch.setenv(ENV_STREAM_DTYPE, "bfloat16")
+    monkeypatch.setattr(sw, "onednn_available", lambda: True)
+    monkeypatch.setattr(sw, "bf16_gemm_available", lambda: False)
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        got = build_stream_weights(
+            [layer],
+            torch.randn(8, 4),
+            platform_is_cpu=True,
+            model_dtype=torch.float32,
+            tp_size=1,
+        )
+    assert got is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, caplog.text
+    assert f"{ENV_STREAM_DTYPE}=bfloat16 cannot be honoured" in warnings[0].getMessage()
+    assert "no bf16 GEMM" in warnings[0].getMessage()

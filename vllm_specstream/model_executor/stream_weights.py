@@ -12,7 +12,9 @@ over 4 stream rows drops from ~4.6 to ~1.9 ms on a Zen 4 core.
   native bf16 and the model is not tensor-parallel; vLLM's modules otherwise.
 * ``model``: always vLLM's modules (the served dtype; drafts equal the training
   implementation's up to summation order).
-* ``bfloat16``: bf16 copies wherever vLLM's CPU oneDNN GEMM is available.
+* ``bfloat16``: bf16 copies wherever vLLM's CPU oneDNN GEMM runs bf16. Where it cannot (on
+  an AVX2-only CPU oneDNN has no bf16 matmul at all), the stream pass keeps vLLM's modules
+  and says so once in a warning.
 
 This module is the one touch point with vLLM's CPU GEMM ops (``vllm._custom_ops``:
 ``create_onednn_mm`` / ``onednn_mm``); ``tests/vllm/test_stream_weights.py`` fails when they
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import nn
@@ -66,6 +69,23 @@ def onednn_available() -> bool:
     return bool(getattr(ops, "_supports_onednn", False))
 
 
+@cache
+def bf16_gemm_available() -> bool:
+    """Whether vLLM's oneDNN GEMM can multiply bf16 on this CPU. oneDNN needs AVX-512 (or
+    AVX2-VNNI-2) for a bf16 matmul; elsewhere ``create_onednn_mm`` raises "could not create a
+    primitive descriptor", so one tiny handle is the honest probe."""
+    if not onednn_available():
+        return False
+    from vllm import _custom_ops as ops
+
+    try:
+        handle = ops.create_onednn_mm(torch.zeros(16, 16, dtype=torch.bfloat16).t(), 32)
+        ops.onednn_mm(handle, torch.zeros(1, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def packed_reason(mode: str, platform_is_cpu: bool, model_dtype, tp_size: int) -> str | None:
     """Why the stream pass keeps vLLM's modules under ``mode`` (None: use bf16 copies)."""
     if mode == "model":
@@ -81,6 +101,8 @@ def packed_reason(mode: str, platform_is_cpu: bool, model_dtype, tp_size: int) -
             return f"the model runs in {model_dtype} already"
         if not native_bf16_cpu():
             return "this CPU has no native bf16 (AVX512-BF16/AMX)"
+    if not bf16_gemm_available():
+        return "vLLM's oneDNN has no bf16 GEMM on this CPU (it needs AVX-512)"
     return None
 
 
@@ -182,8 +204,16 @@ def build_stream_weights(
             reason = "the stream layers' weights are not plain tensors (quantized?)"
     if reason is not None:
         if mode == "bfloat16":
-            raise ConfigError(f"{ENV_STREAM_DTYPE}=bfloat16 cannot be honoured: {reason}")
-        logger.info("specstream stream pass in the model's dtype (%s)", reason)
+            # Drafts only: the model's dtype gives the same outputs, so fall back, loudly.
+            logger.warning(
+                "%s=bfloat16 cannot be honoured: %s; the stream pass runs in the model's "
+                "dtype (%s=auto picks the faster path by itself)",
+                ENV_STREAM_DTYPE,
+                reason,
+                ENV_STREAM_DTYPE,
+            )
+        else:
+            logger.info("specstream stream pass in the model's dtype (%s)", reason)
         return None
     weights = StreamWeights.pack(layers, lm_head_weight)
     logger.info(
