@@ -13,3 +13,16 @@ def base_model_dir() -> Path:
     from vllm_specstream.base_model import prepare_base
 
     return prepare_base(progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _restore_vllm_logger():
+    """CLI entry points called in-process attach a handler to the ``vllm`` logger bound to
+    pytest's captured stderr of that test; later tests would log into a closed stream."""
+    import logging
+
+    root = logging.getLogger("vllm")
+    saved = (list(root.handlers), root.propagate, root.level)
+    yield
+    root.handlers[:], root.propagate = saved[0], saved[1]
+    root.setLevel(saved[2])

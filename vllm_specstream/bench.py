@@ -52,9 +52,18 @@ class BenchConfig:
     """Medusa heads for the checkpoint (``specstream train --objective medusa --base CKPT``);
     required for the ``medusa`` method."""
     task: str = "sql"
-    """Built-in task whose test split gives the prompts (ignored with ``prompts``)."""
+    """Task of the prompts: its synthetic test split, or the format of ``data``."""
     prompts: str | None = None
     """JSONL of prompts (``prompt``/``completion``, chat ``messages`` or sql records)."""
+    data: str | None = None
+    """A file in the public format of ``task`` (sql, e2e, dialogsum) whose ``split`` gives
+    the prompts."""
+    split: str = "all"
+    """``all``, or the ``train``/``val`` side of the by-group split of ``data``."""
+    val_fraction: float = 0.15
+    """Held-out share of that split (the same as training's gives the same split)."""
+    split_seed: int = 0
+    """Seed of that split."""
     num_prompts: int = 16
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     temperatures: tuple[float, ...] = (0.0, 0.7)
@@ -94,6 +103,14 @@ class BenchConfig:
             raise ValueError(f"checkpoint {self.checkpoint}: no config.json")
         if min(self.batch_sizes) < 1 or min(self.num_prompts, self.repeats, self.rounds) < 1:
             raise ValueError("--batch-sizes, -n, --repeats and --rounds must be positive")
+        if self.data and self.prompts:
+            raise ValueError("give --data (a task file) or --prompts (JSONL), not both")
+        if self.data:  # fail here, not in every method's child process
+            from vllm_specstream.training.tasks import load_task_data, select_split
+
+            select_split(
+                load_task_data(self.task, self.data), self.split, self.val_fraction, self.split_seed
+            )
 
 
 def medusa_heads(medusa_dir: str) -> int:
@@ -158,19 +175,33 @@ def steps_per_method(cfg: BenchConfig) -> int:
 
 
 def load_prompts(cfg: BenchConfig, tokenizer) -> list[str]:
-    """Chat-templated prompts: the task's test split or the JSONL file."""
+    """Chat-templated prompts: the split of the task file, the JSONL file (both repeated
+    up to ``num_prompts`` if shorter), or the task's synthetic test split."""
     from vllm_specstream.training.data import load_jsonl, prompt_text
-    from vllm_specstream.training.tasks import build_task, to_example
+    from vllm_specstream.training.tasks import build_task, load_task_data, select_split, to_example
 
-    if cfg.prompts:
-        examples = load_jsonl(cfg.prompts)
-        if not examples:
+    if cfg.data:
+        records = load_task_data(cfg.task, cfg.data)
+        messages = [
+            r.messages for r in select_split(records, cfg.split, cfg.val_fraction, cfg.split_seed)
+        ]
+    elif cfg.prompts:
+        messages = [e.messages for e in load_jsonl(cfg.prompts)]
+        if not messages:
             raise ValueError(f"--prompts {cfg.prompts}: no records")
-        examples = (examples * math.ceil(cfg.num_prompts / len(examples)))[: cfg.num_prompts]
     else:
         records = build_task(cfg.task, "test", n=cfg.num_prompts)
-        examples = [to_example(cfg.task, r) for r in records]
-    return [prompt_text(tokenizer, e.messages) for e in examples]
+        messages = [to_example(cfg.task, r).messages for r in records]
+    messages = (messages * math.ceil(cfg.num_prompts / len(messages)))[: cfg.num_prompts]
+    return [prompt_text(tokenizer, m) for m in messages]
+
+
+def prompt_source(cfg: BenchConfig) -> str:
+    """Where the prompts come from, for the report."""
+    if cfg.data:
+        split = f"{cfg.split} split (val_fraction {cfg.val_fraction}, seed {cfg.split_seed})"
+        return f"{cfg.task} {cfg.data}, " + (split if cfg.split != "all" else "all records")
+    return cfg.prompts or f"{cfg.task} test split"
 
 
 # -- child process: one engine, every cell -------------------------------------------------
@@ -423,7 +454,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     rows = combine_rounds(per_round)
     machine = describe_machine()
     setting = (
-        f"{cfg.num_prompts} prompts ({cfg.prompts or cfg.task + ' test split'}), max_tokens "
+        f"{cfg.num_prompts} prompts ({prompt_source(cfg)}), max_tokens "
         f"{cfg.max_tokens}, {cfg.dtype}, eager, k={cfg.num_speculative_tokens}, "
         f"{env_setting(cfg)}, {cfg.repeats} repeats, median tok/s over batches"
         + (f", {cfg.rounds} rounds (median of per-round speedups)" if cfg.rounds > 1 else "")

@@ -85,11 +85,32 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if found and vllm_ok == "supported" and plugins else 1
 
 
+def _train_task(args: argparse.Namespace) -> str | None:
+    """The task ``train`` reads: ``--data`` without ``--task`` is generic JSONL (None), and a
+    public task with neither is None too (it has no synthetic builder, except sql)."""
+    from vllm_specstream.training.tasks import TASKS
+
+    if args.task is None:
+        return None if args.data else "sql"
+    return args.task if args.data or args.task in TASKS else None
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from vllm_specstream.config import LossConfig, PruneConfig, SpecStreamConfig
     from vllm_specstream.training.checkpoint import LoraSettings
+    from vllm_specstream.training.tasks import PUBLIC_TASKS
     from vllm_specstream.training.train import TrainArgs, train
 
+    task = _train_task(args)
+    if task is None and not args.data:
+        print(f"specstream train: error: --task {args.task} needs --data FILE", file=sys.stderr)
+        return 2
+    # The split settings only mean something for a task file.
+    split = (
+        {"val_fraction": args.val_fraction, "split_seed": args.split_seed}
+        if args.data and task in PUBLIC_TASKS
+        else {}
+    )
     base = args.base
     if base is None:
         from vllm_specstream.base_model import prepare_base
@@ -115,9 +136,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     train_args = TrainArgs(
         base=base,
         out=args.out,
-        task=args.task,
+        task=task,
         data=args.data,
         eval_data=args.eval_data,
+        **split,
         objective=args.objective,
         medusa_heads=args.medusa_heads,
         spec=spec,
@@ -137,6 +159,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         eval_every=args.eval_every,
         seed=args.seed,
+        pack=args.pack,
+        frozen_prefix=args.frozen_prefix,
     )
     train(train_args)
     return 0
@@ -161,6 +185,23 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from vllm_specstream.training.evaluate import eval_cases, evaluate_checkpoint, load_any
 
+    if args.data and args.prompts:
+        print("specstream eval: error: give --data or --prompts, not both", file=sys.stderr)
+        return 2
+    try:  # before loading the model: bad data fails fast
+        cases = eval_cases(
+            args.task,
+            args.prompts,
+            args.n,
+            args.seed,
+            data=args.data,
+            split=args.split,
+            val_fraction=args.val_fraction,
+            split_seed=args.split_seed,
+        )
+    except (ValueError, OSError) as e:
+        print(f"specstream eval: error: {e}", file=sys.stderr)
+        return 2
     model = load_any(args.checkpoint, base=args.base)
     from vllm_specstream.training.checkpoint import resolve_base
 
@@ -171,12 +212,24 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         else resolve_base(args.base or model.config.base_model, ckpt)
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cases = eval_cases(args.task, args.prompts, args.n, args.seed)
     result = evaluate_checkpoint(
         model, tokenizer, args.task, cases, args.max_new_tokens, args.tree_top_k
     )
     result["checkpoint"] = str(args.checkpoint)
     print(json.dumps(result))
+    return 0
+
+
+def _cmd_data_split(args: argparse.Namespace) -> int:
+    from vllm_specstream.training.tasks import write_split
+
+    try:
+        paths = write_split(args.task, args.data, args.out, args.val_fraction, args.split_seed)
+    except (ValueError, OSError) as e:
+        print(f"specstream data split: error: {e}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
     return 0
 
 
@@ -203,6 +256,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             medusa=args.medusa,
             task=args.task,
             prompts=args.prompts,
+            data=args.data,
+            split=args.split,
+            val_fraction=args.val_fraction,
+            split_seed=args.split_seed,
             num_prompts=args.n,
             batch_sizes=_ints(args.batch_sizes),
             temperatures=_floats(args.temperatures),
@@ -213,14 +270,49 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             omp_threads_bind=args.omp_threads_bind,
         )
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"specstream bench: error: {e}", file=sys.stderr)
         return 2
     run_bench(cfg)
     return 0
 
 
+_TASK_HELP = (
+    "sql, e2e, dialogsum: the paper's tasks, read from --data FILE in their public format "
+    "(SPEC section 6; sql without --data: a synthetic generator); code, text: synthetic builders"
+)
+_DATA_HELP = (
+    "a file in the task's public format: sql: JSON list or JSONL of context, question, answer "
+    "(optional db_id); e2e: CSV with columns mr, ref (one row per reference); dialogsum: "
+    "JSONL with dialogue and summary (or summary1, summary2, ...)"
+)
+
+
+def _add_split_args(p: argparse.ArgumentParser, choose_split: bool, val_note: str = "") -> None:
+    """--val-fraction and --split-seed (and --split): the same values in train, eval, bench
+    and data split cut the same by-group split of a --data file."""
+    from vllm_specstream.training.tasks import DEFAULT_VAL_FRACTION
+
+    if choose_split:
+        p.add_argument(
+            "--split",
+            default="all",
+            choices=["all", "train", "val"],
+            help="records of --data to use: all, or one side of the split that `specstream "
+            "train` cuts by group (sql: db_id, else the schema; e2e: mr; dialogsum: dialogue)",
+        )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=DEFAULT_VAL_FRACTION,
+        help="share of a --data file's records held out, whole groups at a time" + val_note,
+    )
+    p.add_argument("--split-seed", type=int, default=0, help="seed of that split")
+
+
 def _add_training_parsers(sub) -> None:
+    from vllm_specstream.training.tasks import ALL_TASKS
+
     defaults = argparse.ArgumentDefaultsHelpFormatter
     p = sub.add_parser(
         "train",
@@ -232,9 +324,23 @@ def _add_training_parsers(sub) -> None:
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--base", help="base model dir (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--task", default="sql", choices=["sql", "code", "text"], help="built-in task")
-    p.add_argument("--data", help="training JSONL instead of the built-in task")
-    p.add_argument("--eval-data", help="held-out JSONL (default: the built-in task's test split)")
+    p.add_argument(
+        "--task",
+        choices=ALL_TASKS,
+        help=_TASK_HELP + "; not given (%(default)s): sql, or with --data generic JSONL of "
+        "prompt/completion or messages records",
+    )
+    p.add_argument(
+        "--data",
+        help=_DATA_HELP + "; training uses the part --val-fraction does not hold out "
+        "(every reference is one example)",
+    )
+    p.add_argument(
+        "--eval-data",
+        help="held-out file, same format as --data (default: the part of --data held out, "
+        "else the synthetic task's test split)",
+    )
+    _add_split_args(p, choose_split=False, val_note="; 0 trains on all of it")
     p.add_argument("--objective", default="specstream", choices=["specstream", "ntp", "medusa"])
     p.add_argument("--medusa-heads", type=int, default=4, help="heads for --objective medusa")
     p.add_argument("--num-streams", type=int, default=4, help="gamma")
@@ -273,6 +379,20 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-pack",
+        dest="pack",
+        action="store_false",
+        help="pad each batch to its longest example instead of packing examples into rows "
+        "(same loss, slower)",
+    )
+    p.add_argument(
+        "--no-frozen-prefix",
+        dest="frozen_prefix",
+        action="store_false",
+        help="recompute the frozen layers below the lowest LoRA layer at every step instead of "
+        "once per example (same loss, slower; the cache applies with --lora-layers msa)",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
@@ -293,16 +413,22 @@ def _add_training_parsers(sub) -> None:
         help="tokens/step (reference decoder, chain and tree) and task quality",
         description="Greedy-decode held-out prompts with the reference speculative-streaming "
         "decoder (chain and tree) and print, as the last line, one JSON object with "
-        "tokens_per_step, the task metric (exact_match for sql, rouge_l otherwise) and "
-        "extra_params.",
+        "tokens_per_step, extra_params and the task metrics in percent, averaged over "
+        "prompts: exact_match for sql (after whitespace, case and quote normalisation; "
+        "sqlglot's canonical SQL where both queries parse), rouge1 and rougeLsum F-measures "
+        "for e2e and dialogsum (rouge-score, stemmed; one sentence per line for rougeLsum), "
+        "rouge_l for the synthetic text and code tasks. A prompt with several references "
+        "scores its best one, for each metric.",
         formatter_class=defaults,
     )
     p.add_argument("--checkpoint", required=True, help="adapter or merged checkpoint")
-    p.add_argument("--task", default="sql", choices=["sql", "code", "text"])
-    p.add_argument("--prompts", help="JSONL of prompts (sql: context/question/answer records)")
+    p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
+    p.add_argument("--data", help=_DATA_HELP)
+    _add_split_args(p, choose_split=True, val_note=" (training's value)")
+    p.add_argument("--prompts", help="generic JSONL of prompts and references (sql records too)")
     p.add_argument("--base", help="base model dir for an adapter (default: the recorded one)")
     p.add_argument(
-        "-n", "--n", type=int, help="number of prompts (default: the whole test split or file)"
+        "-n", "--n", type=int, help="first N prompts (default: the whole test split or file)"
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
@@ -331,7 +457,9 @@ def _add_training_parsers(sub) -> None:
         help="comma-separated, from plain,ngram,medusa,specstream,specstream-fixed (the "
         "adaptive policy off) (default: all but specstream-fixed; medusa only with --medusa)",
     )
-    p.add_argument("--task", default="sql", choices=["sql", "code", "text"])
+    p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
+    p.add_argument("--data", help=_DATA_HELP)
+    _add_split_args(p, choose_split=True, val_note=" (training's value)")
     p.add_argument("--prompts", help="JSONL of prompts instead of the task's test split")
     p.add_argument("-n", type=int, default=16, help="number of prompts")
     p.add_argument("--batch-sizes", default="1,4,16")
@@ -355,6 +483,22 @@ def _add_training_parsers(sub) -> None:
     )
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("data", help="task data files: split", description="Task data files.")
+    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    p = data_sub.add_parser(
+        "split",
+        help="write the by-group train/val split of a task file",
+        description="Write OUT/train.EXT and OUT/val.EXT, the rows of --data verbatim in its "
+        "format: the split that `specstream train` trains on and `eval`/`bench --split val` "
+        "evaluate with the same --val-fraction and --split-seed.",
+        formatter_class=defaults,
+    )
+    p.add_argument("--task", required=True, choices=["sql", "e2e", "dialogsum"])
+    p.add_argument("--data", required=True, help=_DATA_HELP)
+    p.add_argument("--out", required=True, help="output directory")
+    _add_split_args(p, choose_split=False)
+    p.set_defaults(func=_cmd_data_split)
 
 
 def build_parser() -> argparse.ArgumentParser:

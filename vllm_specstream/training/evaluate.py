@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vllm_specstream.config import CONFIG_FILE, ConfigError
+from vllm_specstream.training.metrics import task_metrics
 from vllm_specstream.training.model import SpecStreamModel
+from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
 
 
 def load_any(checkpoint: str | Path, base: str | None = None) -> SpecStreamModel:
@@ -28,32 +29,48 @@ def load_any(checkpoint: str | Path, base: str | None = None) -> SpecStreamModel
 
 @dataclass
 class EvalCase:
+    """One held-out prompt and every reference it is scored against (the best one counts)."""
+
     messages: list[dict]
-    reference: str
+    references: list[str]
 
 
-def eval_cases(task: str, prompts: str | None, n: int | None, seed: int = 0) -> list[EvalCase]:
-    """``n`` held-out cases (None: all of the task's test split, or of ``prompts``)."""
+def eval_cases(
+    task: str,
+    prompts: str | None,
+    n: int | None,
+    seed: int = 0,
+    *,
+    data: str | None = None,
+    split: str = "all",
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    split_seed: int = 0,
+) -> list[EvalCase]:
+    """The first ``n`` held-out cases (None: all): ``split`` of the public-format ``data``
+    file, else every record of the JSONL ``prompts``, else the task's synthetic test split."""
     from vllm_specstream.training.data import load_jsonl
-    from vllm_specstream.training.tasks import build_task, reference, to_example
+    from vllm_specstream.training.tasks import (
+        PUBLIC_TASKS,
+        TASKS,
+        build_task,
+        load_task_data,
+        reference,
+        select_split,
+        to_example,
+    )
 
+    if data:
+        if task not in PUBLIC_TASKS:
+            raise ValueError(f"--data needs --task {' or '.join(PUBLIC_TASKS)}, got {task!r}")
+        records = select_split(load_task_data(task, data), split, val_fraction, split_seed)
+        return [EvalCase(r.messages, list(r.references)) for r in records[:n]]
     if prompts:
         examples = load_jsonl(prompts)[:n]
-        return [EvalCase(e.messages, e.completion) for e in examples]
+        return [EvalCase(e.messages, [e.completion]) for e in examples]
+    if task not in TASKS:
+        raise ValueError(f"--task {task} needs --data FILE (its public format; see SPEC section 6)")
     records = build_task(task, "test", n=n, seed=seed)
-    return [EvalCase(to_example(task, r).messages, reference(task, r)) for r in records]
-
-
-def task_metric(task: str, predictions: list[str], references: list[str]) -> tuple[str, float]:
-    """Exact match (SQL, normalised) in percent, else ROUGE-L F in percent."""
-    from vllm_specstream.training.metrics import rouge_l, sql_exact_match
-
-    if task == "sql":
-        score = statistics.mean(sql_exact_match(p, r) for p, r in zip(predictions, references))
-        return "exact_match", 100.0 * score
-    return "rouge_l", 100.0 * statistics.mean(
-        rouge_l(p, r) for p, r in zip(predictions, references)
-    )
+    return [EvalCase(to_example(task, r).messages, [reference(task, r)]) for r in records]
 
 
 @torch.no_grad()
@@ -67,7 +84,8 @@ def evaluate_checkpoint(
     progress: bool = True,
 ) -> dict:
     """Greedy-decode every case with the chain (and, if ``tree_top_k > 1``, the tree) decoder;
-    report the SPEC metrics."""
+    report tokens per step and the task's SPEC metrics (:func:`task_metrics`, from the chain
+    decoder's outputs)."""
     from tqdm.auto import tqdm
 
     from vllm_specstream.training.data import prompt_text
@@ -87,7 +105,7 @@ def evaluate_checkpoint(
             mismatches += chain.tokens != tree.tokens
             tree_tokens, tree_steps = tree_tokens + len(tree.tokens) - 1, tree_steps + tree.steps
         predictions.append(tokenizer.decode(chain.tokens, skip_special_tokens=True).strip())
-    metric, score = task_metric(task, predictions, [c.reference for c in cases])
+    metrics = task_metrics(task, predictions, [c.references for c in cases])
     extra = sum(p.numel() for p in model.stream_parameters().values())
     return {
         "task": task,
@@ -97,7 +115,7 @@ def evaluate_checkpoint(
             "tree": tree_tokens / tree_steps if tree_steps else None,
             "tree_top_k": tree_top_k,
         },
-        metric: score,
+        **metrics,
         "extra_params": extra,
         "chain_tree_identical": mismatches == 0,
         "num_streams": model.config.num_streams,

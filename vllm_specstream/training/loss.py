@@ -52,12 +52,14 @@ def specstream_loss(
     """Loss of one batch and its metrics.
 
     ``batch``: ``input_ids``, ``attention_mask``, ``labels_mask`` (True on completion tokens),
-    all ``[B, T]``, right-padded. ``objective``: "specstream" (eq. 5) or "ntp" (main only).
+    all ``[B, T]``, right-padded; a packed batch (:mod:`fast_batches`) adds ``positions``,
+    ``new_mask`` and possibly a cached ``hidden`` with its ``start_layer``. ``objective``: "specstream" (eq. 5) or "ntp" (main only).
     """
     cfg = model.config
     ids, attn, labels = batch["input_ids"], batch["attention_mask"], batch["labels_mask"]
     anchors = select_anchors(labels, cfg.num_streams) if objective == "specstream" else None
-    out = model(ids, anchors=anchors, attention_mask=attn)
+    packed = {k: batch[k] for k in ("positions", "new_mask", "hidden", "start_layer") if k in batch}
+    out = model(ids, anchors=anchors, attention_mask=attn, **packed)
     hidden, targets = main_rows(out.main_hidden, ids, labels)
     main_loss, main_top1 = _ce_and_top1(model.lm_head, hidden, targets)
     loss = cfg.loss.a0 * main_loss

@@ -48,12 +48,17 @@ class MedusaHeads(nn.Module):
         return hidden
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """Mean over heads of the cross-entropy on completion targets ``t + 2 + j``."""
+        """Mean over heads of the cross-entropy on completion targets ``t + 2 + j``.
+
+        ``batch["hidden"]``, when given, is the frozen model's final hidden state computed
+        once per example (:meth:`final_hidden`) instead of at every step."""
         ids, labels = batch["input_ids"], batch["labels_mask"]
-        with torch.no_grad():
-            hidden = self.lm.model(
-                input_ids=ids, attention_mask=batch["attention_mask"].long()
-            ).last_hidden_state
+        hidden = batch.get("hidden")
+        if hidden is None:
+            with torch.no_grad():
+                hidden = self.lm.model(
+                    input_ids=ids, attention_mask=batch["attention_mask"].long()
+                ).last_hidden_state
         lm_head = self.lm.lm_head
         total, metrics = 0.0, {}
         for j in range(self.num_heads):
@@ -69,6 +74,24 @@ class MedusaHeads(nn.Module):
         total = total / self.num_heads
         metrics["loss"] = float(total.detach())
         return total, metrics
+
+    @torch.no_grad()
+    def final_hidden(self, encoded: list[dict], batch_size: int = 8) -> list[Tensor]:
+        """Per example, the frozen model's final hidden state ``[T_i, h]`` (after the norm)."""
+        out: list[Tensor | None] = [None] * len(encoded)
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["input_ids"]))
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            lengths = [len(encoded[i]["input_ids"]) for i in idx]
+            ids = torch.zeros(len(idx), max(lengths), dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(idx):
+                ids[row, : lengths[row]] = torch.tensor(encoded[i]["input_ids"])
+                mask[row, : lengths[row]] = 1
+            hidden = self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            for row, i in enumerate(idx):
+                out[i] = hidden[row, : lengths[row]].clone()
+        return out  # type: ignore[return-value]
 
     def extra_params(self) -> int:
         return sum(p.numel() for p in self.blocks.parameters())

@@ -201,6 +201,8 @@ class SpecStreamModel(nn.Module):
         use_cache: bool = False,
         positions: Tensor | None = None,
         new_mask: Tensor | None = None,
+        hidden: Tensor | None = None,
+        start_layer: int = 0,
     ) -> StreamOutput:
         """Main stream for ``input_ids`` ``[B, T]`` and streams at ``anchors`` ``[B, A]``.
 
@@ -209,8 +211,12 @@ class SpecStreamModel(nn.Module):
         ``cache`` (from a previous call with ``use_cache=True``) the inputs continue the
         cached sequence; positions continue from the cache length (batch of 1 or equal lengths).
         For tree verification, ``positions`` ``[B, T]`` and ``new_mask`` ``[B, T, T]`` (which new
-        tokens each new token sees, itself included) replace the causal defaults. The stream
-        at an anchor sees exactly the main keys that the main token at the anchor sees.
+        tokens each new token sees, itself included) replace the causal defaults; packed
+        training rows use them for their block-diagonal masks. The stream at an anchor sees
+        exactly the main keys that the main token at the anchor sees.
+        ``hidden`` ``[B, T, h]`` with ``start_layer`` resumes the decoder at that layer from the
+        residual stream entering it (layers below it are frozen and their output was cached);
+        it must not be above L0 or the pruning layer, whose inputs are taken from it.
         """
         b, t = input_ids.shape
         past = 0 if cache is None else cache[0][0].shape[2]
@@ -226,11 +232,23 @@ class SpecStreamModel(nn.Module):
         seen_past = torch.ones(b, t, past, dtype=torch.bool, device=device)
         attn_mask = torch.cat((seen_past, new_mask), dim=2) & key_valid[:, None, :]
         decoder = self.decoder
-        h = decoder.embed_tokens(input_ids)
+        if hidden is None:
+            if start_layer != 0:
+                raise ValueError("start_layer > 0 needs the hidden state entering that layer")
+            h = decoder.embed_tokens(input_ids)
+        else:
+            if start_layer > min(self.first_msa_layer, self.prune_layer) or cache or use_cache:
+                raise ValueError(
+                    f"cannot resume at layer {start_layer}: above the first MSA layer "
+                    f"{self.first_msa_layer} or pruning layer {self.prune_layer}, or with a cache"
+                )
+            h = hidden
         cos, sin = decoder.rotary_emb(h, positions)
         s = s_cos = s_sin = main_mask = prune_input = msa_input = None
         new_cache: KVCache = []
         for i, layer in enumerate(decoder.layers):
+            if i < start_layer:
+                continue
             if i == self.prune_layer:
                 prune_input = h
             if i == self.first_msa_layer:

@@ -7,6 +7,9 @@ from pathlib import Path
 
 from vllm_specstream.machine import describe_machine
 
+#: Quality keys ``specstream eval`` may report (training/metrics.py ``task_metrics``).
+TASK_METRICS = ("exact_match", "rouge1", "rougeLsum", "rouge_l")
+
 
 def _train_summary(adapter_dir: Path) -> tuple[dict, float | None]:
     args = json.loads((adapter_dir / "train_args.json").read_text())
@@ -35,16 +38,18 @@ def write_model_card(
     adapter_dir = Path(adapter_dir)
     args, wall = _train_summary(adapter_dir)
     spec, lora = args["spec"], args.get("lora") or {}
-    metric = "exact_match" if "exact_match" in result else "rouge_l"
+    metrics = [m for m in TASK_METRICS if m in result]
     tps = result["tokens_per_step"]
     rows = [
         ("tokens_per_step, chain (reference decoder)", f"{tps['chain']:.2f}"),
         (f"tokens_per_step, tree (top-{tps['tree_top_k']})", f"{tps['tree']:.2f}"),
-        (f"{metric} (%)", f"{result[metric]:.1f}"),
+        *((f"{m} (%)", f"{result[m]:.1f}") for m in metrics),
         ("extra_params (over base + LoRA)", f"{result['extra_params']:,}"),
     ]
     if baseline is not None:
-        rows.append((f"{metric} of the ntp baseline, same budget (%)", f"{baseline[metric]:.1f}"))
+        rows += [
+            (f"{m} of the ntp baseline, same budget (%)", f"{baseline[m]:.1f}") for m in metrics
+        ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     wall_text = f"{wall / 60:.0f} min" if wall else "n/a"
     card = f"""# Speculative Streaming adapter: {args.get("task") or args.get("data")} on {Path(args["base"]).name}

@@ -44,7 +44,13 @@ class TrainArgs:
     data: str | None = None
     """Training JSONL (prompt/completion, messages, or sql-create-context records)."""
     eval_data: str | None = None
-    """Held-out JSONL; default: the built-in task's test split."""
+    """Held-out file (same format as ``data``); default: the part of ``data`` held out by
+    ``val_fraction``, else the built-in task's test split."""
+    val_fraction: float = 0.15
+    """Share of a task file (``task`` sql, e2e or dialogsum with ``data``) held out by group;
+    0 trains on all of it."""
+    split_seed: int = 0
+    """Seed of that split (``specstream eval/bench --split val`` with the same values)."""
     objective: str = "specstream"
     """"specstream" (paper eq. 5), "ntp" (plain LoRA, the quality baseline) or "medusa"
     (Medusa heads on the frozen ``base``, saved for vLLM's ``medusa`` method)."""
@@ -76,6 +82,14 @@ class TrainArgs:
     save_every: int = 50
     eval_every: int = 100
     seed: int = 0
+    pack: bool = True
+    """Lay each batch's examples end to end in rows of up to ``max_length`` tokens instead of
+    padding them (same loss; objectives specstream and ntp)."""
+    frozen_prefix: bool = True
+    """Compute the frozen layers below the lowest trainable one once per example and reuse
+    them at every epoch (same loss; needs ``--lora-layers`` above the bottom layers)."""
+    frozen_prefix_max_gib: float = 6.0
+    """Skip the frozen-prefix cache when it would take more memory than this."""
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -94,15 +108,18 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_examples(args: TrainArgs, split: str, n: int | None):
-    from vllm_specstream.training.data import load_jsonl
-    from vllm_specstream.training.tasks import build_task, to_example
+    from vllm_specstream.training.tasks import task_examples
 
-    path = args.data if split == "train" else args.eval_data
-    if path:
-        return load_jsonl(path)[:n] if n else load_jsonl(path)
-    if args.data and split == "test":
-        return []
-    return [to_example(args.task, r) for r in build_task(args.task, split, n=n, seed=args.seed)]
+    return task_examples(
+        args.task,
+        split,
+        n,
+        data=args.data,
+        eval_data=args.eval_data,
+        seed=args.seed,
+        val_fraction=args.val_fraction,
+        split_seed=args.split_seed,
+    )
 
 
 def collate(encoded: list[dict]) -> dict[str, torch.Tensor]:
@@ -117,6 +134,65 @@ def collate(encoded: list[dict]) -> dict[str, torch.Tensor]:
         attn[i, :n] = True
         labels[i, :n] = torch.tensor(e["labels_mask"])
     return {"input_ids": ids, "attention_mask": attn, "labels_mask": labels}
+
+
+def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast):
+    """The function from example indices to a training batch: padded (:func:`collate`), or
+    packed, with the frozen layers' output cached where that applies (:mod:`fast_batches`;
+    Medusa heads: the whole model is frozen, its final hidden state is cached)."""
+    from vllm_specstream.training.fast_batches import (
+        first_trainable_layer,
+        pack_batch,
+        pad_rows,
+        prefix_hidden,
+    )
+
+    medusa = isinstance(job, MedusaJob)
+    model = job.model
+    start = 0
+    if args.frozen_prefix:
+        start = model.lm.config.num_hidden_layers if medusa else first_trainable_layer(model)
+    hidden = None
+    if start > 0:
+        h = model.lm.config.hidden_size
+        gib = sum(len(e["input_ids"]) for e in train_set) * h * 4 / 2**30
+        if gib > args.frozen_prefix_max_gib:
+            logger.warning(
+                "Frozen-prefix cache skipped: %.1f GiB > --frozen-prefix-max-gib %.1f",
+                gib,
+                args.frozen_prefix_max_gib,
+            )
+        else:
+            t0 = time.monotonic()
+            with autocast():  # the precision the layers would run in at every step
+                hidden = (
+                    model.final_hidden(train_set)
+                    if medusa
+                    else prefix_hidden(model, train_set, start)
+                )
+            logger.info(
+                "Layers 0-%d are frozen: their output for %d examples cached (%.2f GiB, %.0f s)",
+                start - 1,
+                len(train_set),
+                gib,
+                time.monotonic() - t0,
+            )
+
+    def make(idx: list[int]) -> dict:
+        examples = [train_set[i] for i in idx]
+        rows = None if hidden is None else [hidden[i] for i in idx]
+        if medusa or not args.pack:
+            batch = collate(examples)
+            if rows is not None:
+                batch["hidden"] = pad_rows(rows)
+                if not medusa:
+                    batch["start_layer"] = start
+            return batch
+        return pack_batch(
+            examples, args.max_length, model.config.num_streams, rows, start
+        ).as_dict()
+
+    return make
 
 
 def batch_indices(num_examples: int, batch_size: int, micro_step: int, seed: int) -> list[int]:
@@ -331,6 +407,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     if start >= args.steps:  # e.g. a script run again: never relabel a longer run's state
         logger.info("%s is trained to step %d >= --steps %d: nothing to do", out, start, args.steps)
         return out
+    make_batch = batch_maker(job, args, train_set, autocast)
     if start == 0:
         job.calibrate(
             collate(
@@ -355,17 +432,20 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     )
     log = open(out / LOG_FILE, "a")  # noqa: SIM115 (one handle for the whole run)
     started = time.monotonic()
+    run_tokens = 0
     try:
         for step in range(start, args.steps):
             for g, base_lr in zip(optimizer.param_groups, base_lrs):
                 g["lr"] = base_lr * lr_factor(step, args.warmup_steps, args.steps)
             totals: dict[str, float] = {}
+            tokens = 0
             for micro in range(args.grad_accum):
                 idx = batch_indices(
                     len(train_set), args.batch_size, step * args.grad_accum + micro, args.seed
                 )
+                tokens += sum(len(train_set[i]["input_ids"]) for i in idx)
                 with autocast():
-                    loss, metrics = job.loss(collate([train_set[i] for i in idx]))
+                    loss, metrics = job.loss(make_batch(idx))
                 (loss / args.grad_accum).backward()
                 for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + v / args.grad_accum
@@ -376,6 +456,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
             optimizer.zero_grad(set_to_none=True)
             record = {
                 "step": step + 1,
+                "tokens": tokens,
                 "lr": optimizer.param_groups[0]["lr"],
                 **totals,
                 **job.log_extra(),
@@ -391,13 +472,11 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.update()
-            bar.set_postfix(
-                {
-                    k: f"{v:.3f}"
-                    for k, v in totals.items()
-                    if k in ("loss", "top1_main", "top1_stream1")
-                }
-            )
+            run_tokens += tokens
+            shown = ("loss", "top1_main", "top1_stream1")
+            postfix = {k: f"{v:.3f}" for k, v in totals.items() if k in shown}
+            postfix["tok/s"] = f"{run_tokens / max(1e-9, time.monotonic() - started):.0f}"
+            bar.set_postfix(postfix)
             if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 _save_checkpoint(job, optimizer, step + 1, out)
     finally:

@@ -1,4 +1,4 @@
-"""Built-in fine-tuning tasks (text-to-SQL, Python continuation, data-to-text): public API."""
+"""Fine-tuning tasks: the public formats (SQL, E2E, DialogSum) and synthetic builders: public API."""
 
 from __future__ import annotations
 
@@ -11,26 +11,53 @@ from vllm_specstream.training.tasks.code import (
     package_of,
     stdlib_files,
 )
+from vllm_specstream.training.tasks.holdout import (
+    DATA_SPLITS,
+    DEFAULT_VAL_FRACTION,
+    select_split,
+    split_by_group,
+    write_split,
+)
+from vllm_specstream.training.tasks.public import (
+    PUBLIC_TASKS,
+    TaskRecord,
+    load_task_data,
+    write_task_data,
+)
 from vllm_specstream.training.tasks.sql import build_sql, sql_key
 from vllm_specstream.training.tasks.text import build_text, text_key
 
 __all__ = [
+    "ALL_TASKS",
+    "DATA_SPLITS",
     "DEFAULT_N",
+    "DEFAULT_VAL_FRACTION",
+    "PUBLIC_TASKS",
     "SPLITS",
     "TASKS",
+    "TaskRecord",
     "build_task",
     "code_test_packages",
     "normalize_sql",
     "record_split",
     "reference",
+    "load_task_data",
     "rouge_l",
+    "select_split",
+    "split_by_group",
     "split_of",
     "sql_exact_match",
     "stdlib_files",
+    "task_examples",
     "to_example",
+    "write_split",
+    "write_task_data",
 ]
 
+#: Tasks with a synthetic builder (``build_task``); ``sql`` also has a public format.
 TASKS = ("sql", "code", "text")
+#: ``--task`` choices: the public formats (``--data FILE``) and the synthetic builders.
+ALL_TASKS = (*PUBLIC_TASKS, *(t for t in TASKS if t not in PUBLIC_TASKS))
 SPLITS = ("train", "test")
 DEFAULT_N = {"sql": (2000, 300), "code": (2000, 200), "text": (2000, 300)}
 
@@ -79,3 +106,48 @@ def to_example(name: str, record: dict) -> ChatExample:
 def reference(name: str, record: dict) -> str:
     """The gold completion of a task record."""
     return to_example(name, record).completion
+
+
+def task_examples(
+    task: str | None,
+    split: str,
+    n: int | None = None,
+    *,
+    data: str | None = None,
+    eval_data: str | None = None,
+    seed: int = 0,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    split_seed: int = 0,
+) -> list[ChatExample]:
+    """Training (``split="train"``) or held-out (``"test"``) examples, first ``n`` (all if
+    ``n`` is falsy), as ``specstream train`` reads them.
+
+    A public ``task`` with ``data`` reads that file in its format: training gets one example
+    per reference of the records :func:`split_by_group` leaves for training; held out is
+    ``eval_data`` (same format) or else the validation part, one example per record (its
+    first reference) so that a few dozen examples still cover as many records. Otherwise
+    ``data``/``eval_data`` are generic JSONL (:func:`~vllm_specstream.training.data.load_jsonl`)
+    and without ``data`` the synthetic builder of ``task`` generates both splits.
+    """
+    from vllm_specstream.training.data import load_jsonl
+
+    if data and task in PUBLIC_TASKS:
+        if split == "train":
+            records = select_split(load_task_data(task, data), "train", val_fraction, split_seed)
+            examples = [e for r in records for e in r.examples()]
+        else:
+            if eval_data:
+                records = load_task_data(task, eval_data)
+            else:
+                _, records = split_by_group(load_task_data(task, data), val_fraction, split_seed)
+            examples = [r.examples()[0] for r in records]
+        return examples[:n] if n else examples
+    path = data if split == "train" else eval_data
+    if path:
+        return load_jsonl(path)[:n] if n else load_jsonl(path)
+    if data and split == "test":
+        return []
+    task = task or "sql"
+    if task not in TASKS:
+        raise ValueError(f"--task {task} needs --data FILE (its public format; see SPEC section 6)")
+    return [to_example(task, r) for r in build_task(task, split, n=n, seed=seed)]

@@ -1,0 +1,143 @@
+"""Packed rows and the cached frozen prefix give the padded batch's loss and gradients."""
+
+import json
+import random
+
+import pytest
+import torch
+from test_train import args_for, tiny_base  # noqa: F401 (fixture)
+from tiny import tiny_llama
+
+from vllm_specstream.config import PruneConfig, SpecStreamConfig
+from vllm_specstream.training.fast_batches import (
+    first_trainable_layer,
+    pack_batch,
+    pack_rows,
+    prefix_hidden,
+)
+from vllm_specstream.training.loss import specstream_loss
+from vllm_specstream.training.model import SpecStreamModel
+from vllm_specstream.training.train import collate, train
+
+
+def lora_model(layers: list[int], prune: bool = False) -> SpecStreamModel:
+    from peft import LoraConfig, get_peft_model
+
+    lm = tiny_llama(layers=6)
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    lm = get_peft_model(
+        lm,
+        LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=layers
+        ),
+    )
+    torch.manual_seed(1)
+    for name, p in lm.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.1)  # non-zero, so LoRA changes the forward
+    config = SpecStreamConfig(num_streams=3, num_msa_layers=3, prune=PruneConfig(enabled=prune))
+    return SpecStreamModel(lm, config, stream_init_std=1.0).train()
+
+
+def examples(n: int, seed: int = 0) -> list[dict]:
+    """Chat-like examples: an unlabelled prompt, then a labelled completion."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, c = rng.randint(5, 30), rng.randint(1, 12)
+        ids = [rng.randrange(3, 128) for _ in range(p + c)]
+        out.append({"input_ids": ids, "labels_mask": [False] * p + [True] * c})
+    return out
+
+
+def loss_and_grads(model, batch):
+    model.zero_grad()
+    loss, metrics = specstream_loss(model, batch)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), metrics, grads
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_packed_and_cached_batches_equal_the_padded_batch(prune):
+    model = lora_model([3, 4, 5], prune=prune)
+    batch = examples(7)
+    start = first_trainable_layer(model)
+    assert start == 3
+    hidden = prefix_hidden(model, batch, start, batch_size=3)
+    want_loss, want_metrics, want_grads = loss_and_grads(model, collate(batch))
+    for cached in (None, hidden):
+        packed = pack_batch(batch, 64, 3, cached, start)
+        assert packed.input_ids.shape[0] < len(batch)  # examples really share rows
+        loss, metrics, grads = loss_and_grads(model, packed.as_dict())
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+        assert metrics.keys() == want_metrics.keys()
+        for k in metrics:
+            assert metrics[k] == pytest.approx(want_metrics[k], rel=1e-4, abs=1e-5), k
+        for name, g in want_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_cross_example_attention_would_change_the_loss():
+    """The block-diagonal mask matters: the same rows with one causal mask over the whole
+    row give another loss (so the equality above is not vacuous)."""
+    model = lora_model([3, 4, 5])
+    batch = examples(6, seed=2)
+    packed = pack_batch(batch, 64, 3).as_dict()
+    want, _, _ = loss_and_grads(model, packed)
+    t = packed["input_ids"].shape[1]
+    packed["new_mask"] = torch.ones(t, t, dtype=torch.bool).tril().expand_as(packed["new_mask"])
+    leaked, _, _ = loss_and_grads(model, packed)
+    assert abs(float(leaked) - float(want)) > 1e-3
+
+
+def test_first_trainable_layer_follows_lora_and_the_streams():
+    assert first_trainable_layer(lora_model([4, 5])) == 3  # capped by L0 = 6 - 3
+    assert first_trainable_layer(lora_model([1, 5])) == 1
+    model = lora_model([4, 5])
+    model.decoder.embed_tokens.weight.requires_grad_(True)
+    assert first_trainable_layer(model) == 0
+
+
+def test_pack_rows_first_fit_and_examples_starting_with_targets_stay_alone():
+    assert pack_rows([30, 30, 10, 40, 5], 64) == [[0, 1], [2, 3, 4]]
+    assert pack_rows([100, 10], 64) == [[0], [1]]
+    batch = examples(3)
+    batch[1]["labels_mask"][:2] = [True, True]  # a target within num_streams + 1 tokens
+    packed = pack_batch(batch, 256, 3)
+    assert packed.input_ids.shape[0] == 2
+    lengths = sorted(int(m.sum()) for m in packed.attention_mask)
+    assert lengths == sorted([len(batch[0]["input_ids"]) + len(batch[2]["input_ids"]),
+                              len(batch[1]["input_ids"])])  # fmt: skip
+
+
+def test_fast_training_path_logs_the_same_losses(tiny_base, tmp_path):  # noqa: F811
+    """`specstream train` with packing and the frozen-prefix cache (the default) against
+    padded batches recomputed every step: the same loss at every step."""
+    logs = {}
+    for fast in (False, True):
+        out = tmp_path / f"fast-{fast}"
+        train(args_for(tiny_base, out, steps=4, pack=fast, frozen_prefix=fast), progress=False)
+        logs[fast] = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    for slow, fast in zip(logs[False], logs[True], strict=True):
+        for k in ("loss", "loss_main", "loss_stream1", "eval_loss"):
+            if k in slow:
+                assert fast[k] == pytest.approx(slow[k], rel=1e-4), (slow["step"], k)
+
+
+def test_medusa_heads_on_cached_final_hidden_states_give_the_same_loss():
+    from vllm_specstream.training.fast_batches import pad_rows
+    from vllm_specstream.training.medusa import MedusaHeads
+
+    heads = MedusaHeads(tiny_llama(layers=3), num_heads=3)
+    with torch.no_grad():
+        for p in heads.blocks.parameters():
+            p.normal_(0, 0.1)
+    batch = examples(5, seed=3)
+    padded = collate(batch)
+    want, want_metrics = heads.loss(padded)
+    cached = {**padded, "hidden": pad_rows(heads.final_hidden(batch, batch_size=2))}
+    got, metrics = heads.loss(cached)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert metrics == pytest.approx(want_metrics, rel=1e-4)
