@@ -11,6 +11,11 @@ from typing import Any, Literal
 #: Checkpoint format this code writes; it reads this version and older ones.
 FORMAT_VERSION = 1
 CONFIG_FILE = "specstream_config.json"
+#: A merged checkpoint (``specstream export --merge``): its architecture in ``config.json``,
+#: the file of its stream tensors and their name prefix.
+MERGED_ARCHITECTURE = "SpecStreamForCausalLM"
+STREAM_FILE = "specstream.safetensors"
+STREAM_PREFIX = "specstream."
 
 
 class ConfigError(ValueError):
@@ -117,6 +122,19 @@ class SpecStreamConfig:
                 f"is {self.format_version}, newer than this "
                 f"vllm-specstream understands ({FORMAT_VERSION}); upgrade vllm-specstream",
             )
+
+    def stream_tensor_shapes(self, hidden_size: int) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every stream tensor (``P`` and the optional adapters) for a
+        model of ``hidden_size``: what a checkpoint must carry, nothing more."""
+        h = hidden_size
+        shapes: dict[str, tuple[int, ...]] = {"stream_embeddings": (self.num_streams, h)}
+        if self.init_rank > 0:
+            shapes["init_a"] = (self.init_rank, h)
+            shapes["init_b"] = (h, self.init_rank)
+        if self.prune.enabled:
+            shapes["prune_a"] = (self.prune.rank, h)
+            shapes["prune_b"] = (h, self.prune.rank)
+        return shapes
 
     def first_msa_layer(self, num_hidden_layers: int) -> int:
         """L0 = N - N_s."""

@@ -26,9 +26,11 @@ def _apply_patches(vllm_version: str) -> None:
     from vllm.platforms import current_platform
 
     from vllm_specstream.patches import apply_patch
+    from vllm_specstream.patches.engine_config_check import ENGINE_CONFIG_CHECK
     from vllm_specstream.patches.spec_alias import SPEC_ALIAS
 
     apply_patch(SPEC_ALIAS, vllm_version)
+    apply_patch(ENGINE_CONFIG_CHECK, vllm_version)
     if current_platform.is_cpu():
         from vllm_specstream.patches.cpu_expand_kernel import EXPAND_KERNEL
 

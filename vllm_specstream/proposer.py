@@ -3,7 +3,9 @@
 The drafts were computed inside the target's own forward (:mod:`model_executor.specstream`);
 the proposer only picks, per request, the row of the last accepted token and returns its
 stream tokens, clipped to ``num_speculative_tokens``. It keeps no per-row state: rows of
-vLLM's input batch move between steps.
+vLLM's input batch move between steps. It takes the model's stash (clearing it) and uses
+it only if it is this step's (:mod:`vllm_specstream.model_executor.stash`); steps that
+draft nothing are watched (:mod:`vllm_specstream.draft_watch`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_specstream.config import ConfigError
+from vllm_specstream.draft_watch import NoDraftWatch
 from vllm_specstream.logger import init_logger
+from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
 from vllm_specstream.policy import (
     DEFAULT_SCHEDULE,
+    ENV_DRAFT_MIN_PROB,
     clamp_schedule,
     draft_length,
     validate_schedule,
@@ -115,6 +120,9 @@ class SpecStreamProposer:
             "" if user else " (default; set num_speculative_tokens_per_batch_size to change)",
         )
         self.target = None
+        #: Stashes refused as not this step's (each one: a step without drafts).
+        self.refused_stashes = 0
+        self.watch = NoDraftWatch()
 
     def load_model(self, target_model) -> None:
         # Stored as `target`, not `model`: vLLM probes `drafter.model` in some paths.
@@ -129,18 +137,56 @@ class SpecStreamProposer:
     def propose(
         self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
     ):
-        stash = self.target.stash
+        stash = self.target.take_stash()
         k = draft_length(self.schedule, len(sampled_token_ids), self.k)
-        if stash is None or k == 0:
+        if k == 0:
             return [[] for _ in sampled_token_ids]
-        batch = stash.batch
-        qsl = batch.query_start_loc.tolist()
-        first_positions = batch.positions[batch.query_start_loc[:-1]].tolist()
-        rows, indices = anchor_rows(sampled_token_ids, num_tokens_no_spec, qsl, first_positions)
+        drafts, why_none = self._drafts(
+            stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
+        )
+        expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
+        self.watch.step(expected, any(drafts), why_none)
+        return drafts
+
+    def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
+        """This step's drafts from ``stash``, and why there are none when there are none."""
+        no_drafts = [[] for _ in sampled_token_ids]
+        if stash is None:
+            return no_drafts, self.target.no_stash_reason
+        problem = stash_problem(stash, self.target.forward_step, len(sampled_token_ids))
+        rows: list[int] = []
+        indices: list[int] = []
+        if problem is None:
+            batch = stash.batch
+            qsl = batch.query_start_loc.tolist()
+            first_positions = batch.positions[batch.query_start_loc[:-1]].tolist()
+            rows, indices = anchor_rows(sampled_token_ids, num_tokens_no_spec, qsl, first_positions)
+            problem = anchor_token_problem(
+                stash.input_ids, token_ids_cpu, num_tokens_no_spec, rows, indices
+            )
+        if problem is not None:
+            self.refused_stashes += 1
+            if self.refused_stashes == 1:
+                logger.warning(
+                    "specstream refused the model's stream stash: not this step's (%s); "
+                    "this step drafts nothing (further refusals are counted, not logged)",
+                    problem,
+                )
+            return no_drafts, (
+                f"the model's stream stash was not this step's ({problem}; "
+                f"{self.refused_stashes} refused)"
+            )
+        if not rows:
+            return no_drafts, "no request's last accepted token was in the last forward"
         table = stash.draft_table
         if self.placement == "accepted":
-            table = self.target.draft_at(rows, indices)
-        return drafts_at(len(sampled_token_ids), rows, indices, table, k)
+            table = self.target.draft_at(stash, rows, indices)
+        drafts = drafts_at(len(sampled_token_ids), rows, indices, table, k)
+        why_none = "the streams left no draft at any request's anchor"
+        min_prob = getattr(self.target, "draft_min_prob", 0.0)
+        if min_prob > 0:
+            why_none += f" (the confidence rule cut them all: {ENV_DRAFT_MIN_PROB}={min_prob:g})"
+        return drafts, why_none
 
 
 class WindowSpecStreamProposer(SpecStreamProposer):

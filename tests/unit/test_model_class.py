@@ -4,6 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_specstream.merged_checkpoint import BASE_CLASSES
+
 specstream = pytest.importorskip("vllm_specstream.model_executor.specstream")
 
 
@@ -12,7 +14,7 @@ def hf_config(**section):
 
 
 def test_each_base_family_has_a_class():
-    for arch in specstream.BASE_CLASSES:
+    for arch in BASE_CLASSES:
         assert specstream.base_architecture(hf_config(base_architectures=[arch])) == arch
         assert issubclass(specstream.FAMILIES[arch], specstream.SpecStreamMixin)
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from vllm_specstream import speculative_config
+from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.stash import StreamStash
 from vllm_specstream.policy import (
     DEFAULT_SCHEDULE,
     ENV_DRAFT_MIN_PROB,
@@ -62,20 +64,28 @@ class _Target:
     """Just enough of the model for ``propose``: a stash with one decode row per request."""
 
     spec_config = None
+    no_stash_reason = None
 
     def __init__(self, num_requests: int):
         n = num_requests
         qsl = torch.arange(n + 1)
-        self.stash = SimpleNamespace(
-            batch=SimpleNamespace(query_start_loc=qsl, positions=torch.full((n,), 5)),
+        self.forward_step = 1
+        self.stash = StreamStash(
+            step=1,
+            batch=ForwardBatch(qsl, torch.full((n,), 6), torch.zeros(n, 1), torch.full((n,), 5)),
+            input_ids=None,
             draft_table=torch.tensor([[11, 12, 13, 14]] * n),
         )
 
     def set_placement(self, placement):
         self.placement = placement
 
-    def draft_at(self, rows, indices):
-        return self.stash.draft_table
+    def take_stash(self):
+        stash, self.stash = self.stash, None
+        return stash
+
+    def draft_at(self, stash, rows, indices):
+        return stash.draft_table
 
 
 def _propose(schedule, num_requests, k=4):

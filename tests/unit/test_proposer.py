@@ -1,4 +1,5 @@
-"""The proposer's index logic: which row of the last forward holds each request's drafts."""
+"""The proposer's index logic (which row of the last forward holds each request's drafts),
+its check that the model's stash is this step's, and the warning when drafts stop."""
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.stash import StreamStash
 from vllm_specstream.model_executor.stream_forward import accepted_anchors, window_anchors
 from vllm_specstream.proposer import anchor_rows, last_accepted_index, select_drafts
 
@@ -73,3 +75,178 @@ def test_speculative_config_placements():
     from vllm_specstream.proposer import SpecStreamProposer
 
     assert SpecStreamProposer.placement in PLACEMENT_PROPOSERS
+
+
+class _Target:
+    """The model as the proposer sees it: one forward of two decode requests, each with a
+    window [root, d1] at positions 10..11 (tokens 100, 101 and 200, 201), d1 accepted."""
+
+    spec_config = None
+    draft_min_prob = 0.0
+
+    def __init__(self):
+        self.forward_step = 0
+        self.stash = None
+        self.no_stash_reason = None
+        self.placement = None
+
+    def forward(self, input_ids=(100, 101, 200, 201)):
+        self.forward_step += 1
+        table = torch.full((4, 3), -1)
+        table[1] = torch.tensor([11, 12, 13])
+        table[3] = torch.tensor([21, 22, 23])
+        batch = ForwardBatch(
+            query_start_loc=torch.tensor([0, 2, 4]),
+            seq_lens=torch.tensor([12, 12]),
+            block_table=torch.zeros(2, 1, dtype=torch.int32),
+            positions=torch.tensor([10, 11, 10, 11]),
+        )
+        self.stash = StreamStash(self.forward_step, batch, torch.tensor(input_ids), table)
+
+    def set_placement(self, placement):
+        self.placement = placement
+
+    def take_stash(self):
+        stash, self.stash = self.stash, None
+        return stash
+
+    def draft_at(self, stash, rows, indices):
+        return stash.draft_table
+
+
+#: After bookkeeping: 10 tokens before the window, d1 accepted, one sampled -> 13 tokens,
+#: the last accepted token (d1) at position 11.
+SAMPLED = [[101, 5], [201, 6]]
+NUM_TOKENS = np.array([13, 13])
+
+
+def _token_ids(d1_first=101, d1_second=201) -> np.ndarray:
+    tokens = np.zeros((2, 32), dtype=np.int32)
+    tokens[0, 10:13] = [100, d1_first, 5]
+    tokens[1, 10:13] = [200, d1_second, 6]
+    return tokens
+
+
+def _proposer(target=None):
+    from types import SimpleNamespace
+
+    from vllm_specstream.proposer import SpecStreamProposer
+
+    spec = SimpleNamespace(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=None)
+    proposer = SpecStreamProposer(SimpleNamespace(speculative_config=spec))
+    proposer.load_model(target or _Target())
+    return proposer
+
+
+def test_this_steps_stash_drafts_and_is_cleared():
+    proposer = _proposer()
+    proposer.target.forward()
+    assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids()) == [[11, 12, 13], [21, 22, 23]]
+    assert proposer.target.stash is None and proposer.refused_stashes == 0
+    # Proposing again without a forward: the used stash is gone, nothing is drafted.
+    assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids()) == [[], []]
+
+
+def test_a_stale_stash_is_refused_and_counted(monkeypatch):
+    import vllm_specstream.proposer as proposer_module
+
+    warnings = []
+    monkeypatch.setattr(proposer_module.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    proposer = _proposer()
+    target = proposer.target
+    target.forward()
+    target.forward_step += 1  # a later forward that left no stash of its own
+    assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids()) == [[], []]
+    assert proposer.refused_stashes == 1 and target.stash is None
+    # A stash of this step, but of other tokens at the anchors: another batch's rows.
+    target.forward()
+    assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids(d1_second=999)) == [[], []]
+    # One with fewer requests than this step has.
+    target.forward()
+    assert proposer.propose([*SAMPLED, [7]], np.array([13, 13, 5]), None) == [[], [], []]
+    assert proposer.refused_stashes == 3
+    assert len(warnings) == 1 and "made by forward 1, the last forward was 2" in warnings[0]
+
+
+def _no_draft_warnings(monkeypatch) -> list[str]:
+    from vllm_specstream import draft_watch
+
+    warnings: list[str] = []
+    monkeypatch.setattr(draft_watch.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    return warnings
+
+
+def test_no_drafts_for_n_steps_warns_once_and_says_why(monkeypatch):
+    from vllm_specstream.draft_watch import NO_DRAFT_STEPS
+
+    warnings = _no_draft_warnings(monkeypatch)
+    proposer = _proposer()
+    target = proposer.target
+    layer = "model.layers.3.self_attn.attn"
+    for step in range(3 * NO_DRAFT_STEPS):
+        # Every forward misses its batch, as after a rename of vLLM's attention layers.
+        target.forward_step += 1
+        target.no_stash_reason = f"the stream pass found no forward batch for layer {layer}"
+        assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids()) == [[], []]
+        assert len(warnings) == (step + 1 >= NO_DRAFT_STEPS)
+    assert warnings[0].startswith(f"no stream drafts for {NO_DRAFT_STEPS} steps: ")
+    assert f"no forward batch for layer {layer}" in warnings[0]
+
+
+def test_no_draft_watch_counts_only_consecutive_expected_steps(monkeypatch):
+    from vllm_specstream.draft_watch import NoDraftWatch
+
+    warnings = _no_draft_warnings(monkeypatch)
+    watch = NoDraftWatch(steps=3)
+    for _ in range(2):
+        watch.step(expected=True, drafted=False, reason="r")
+    watch.step(expected=False, drafted=False)  # e.g. only partial prefills: not counted
+    watch.step(expected=True, drafted=True)  # drafts again: the count starts over
+    for _ in range(2):
+        watch.step(expected=True, drafted=False, reason="r")
+    assert warnings == []
+    for _ in range(5):
+        watch.step(expected=True, drafted=False, reason="the reason")
+    assert warnings == [
+        "no stream drafts for 3 steps: the reason; outputs stay correct, but speculation "
+        "gives no speedup (this warning is not repeated)"
+    ]
+
+
+def test_steps_without_drafting_do_not_warn(monkeypatch):
+    """Steps where the policy drafts nothing (k = 0) or no request sampled are not
+    'expected' steps."""
+    from vllm_specstream.draft_watch import NO_DRAFT_STEPS
+
+    warnings = _no_draft_warnings(monkeypatch)
+    proposer = _proposer()
+    proposer.schedule = [(1, 1 << 20, 0)]
+    for _ in range(NO_DRAFT_STEPS + 1):
+        proposer.propose(SAMPLED, NUM_TOKENS, _token_ids())
+    proposer.schedule = None
+    for _ in range(NO_DRAFT_STEPS + 1):
+        proposer.propose([[], []], NUM_TOKENS, _token_ids())
+    assert warnings == []
+
+
+def test_no_forward_batch_reason_names_the_missing_layer(monkeypatch):
+    """What the no-draft warning says when vLLM's attention layers are named otherwise."""
+    from types import SimpleNamespace
+
+    fc = pytest.importorskip("vllm.forward_context")
+    from vllm_specstream.model_executor.forward_batch import (
+        current_forward_batch,
+        no_forward_batch_reason,
+    )
+
+    context = SimpleNamespace(attn_metadata={"language_model.layers.0.self_attn.attn": object()})
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: context)
+    layer = "model.layers.3.self_attn.attn"
+    assert current_forward_batch(layer, torch.arange(3)) is None
+    assert no_forward_batch_reason(layer) == (
+        "vLLM's attention metadata has no such layer (it has 1, e.g. "
+        "['language_model.layers.0.self_attn.attn'])"
+    )
+    context.attn_metadata = None
+    assert no_forward_batch_reason(layer) == "vLLM passed no attention metadata"

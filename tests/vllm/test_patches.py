@@ -171,3 +171,55 @@ def test_spec_alias_patch_wraps_create_speculative_config():
     lines = out.stdout.strip().splitlines()
     assert lines[-2] == "['self', 'target_model_config', 'target_parallel_config']"
     assert lines[-1] == "True"
+
+
+@needs_cpu_wheel
+def test_engine_config_check_runs_where_vllm_builds_the_config(tmp_path):
+    # Fails when vLLM renames `EngineArgs.create_engine_config` or the VllmConfig fields the
+    # check reads: the broken setup below would then start an engine instead of failing here.
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from vllm_specstream.config import SpecStreamConfig
+
+    section = SpecStreamConfig(num_streams=3, num_msa_layers=2).to_dict()
+    section.pop("loss")
+    config = {
+        "architectures": ["SpecStreamForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "max_position_embeddings": 512,
+        "specstream": {**section, "base_architectures": ["LlamaForCausalLM"]},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    streams = {"specstream.stream_embeddings": np.zeros((3, 64), dtype=np.float32)}
+    save_file(streams, str(tmp_path / "specstream.safetensors"))
+    out = run_python(
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm_specstream import speculative_config\n"
+        "from vllm_specstream.config import ConfigError\n"
+        "from vllm_specstream.cpu_env import cpu_engine_kwargs\n"
+        "for k in (2, 5):\n"
+        f"    args = EngineArgs(model={str(tmp_path)!r}, speculative_config=speculative_config(k),\n"
+        "                      **cpu_engine_kwargs(dtype='float32', max_model_len=256))\n"
+        "    try:\n"
+        "        spec = args.create_engine_config().speculative_config\n"
+        "        print('OK', spec.method, spec.model, spec.num_speculative_tokens)\n"
+        "    except ConfigError as e:\n"
+        "        print('ERROR', e)\n"
+        "print(hasattr(EngineArgs.create_engine_config, '__wrapped__'))\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    # vLLM logs to stdout too: keep this script's own lines.
+    lines = [x for x in out.stdout.splitlines() if x.split(" ")[0] in ("OK", "ERROR", "True")]
+    assert len(lines) == 3, out.stdout[-3000:]
+    assert lines[0] == "OK custom_class vllm_specstream.proposer.SpecStreamProposer 2", lines
+    assert lines[1].startswith("ERROR num_speculative_tokens=5 exceeds"), lines
+    assert lines[2] == "True"

@@ -119,6 +119,9 @@ def run_engine(
         env={**os.environ, **(env or {})},
     )
     assert out.returncode == 0, out.stderr[-6000:]
+    # The proposer never met a stash of another step (the stash's anchor tokens are the
+    # requests' last accepted tokens in every step of these runs).
+    assert "refused the model's stream stash" not in out.stdout + out.stderr, out.stderr[-6000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
 
@@ -345,6 +348,7 @@ def test_stream_drafts_equal_the_training_implementation(
     )
     assert out.returncode == 0, out.stderr[-6000:]
     log = out.stdout + out.stderr
+    assert "refused the model's stream stash" not in log, log[-4000:]
     packed = stream_dtype == "bfloat16" and bf16_gemm_available()
     if stream_dtype == "bfloat16":
         said = "stream pass in bf16" if packed else "bfloat16 cannot be honoured"
@@ -397,38 +401,116 @@ if __name__ == "__main__":
 """
 
 
-def engine_error(tmp_path, ckpt, k):
-    script = tmp_path / "err.py"
-    script.write_text(ERROR_SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script), str(ckpt), str(k)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode != 0
-    return out.stdout + out.stderr
-
-
-def test_missing_stream_tensors_fail_loudly(tiny_merged, tmp_path):
+def _copy(ckpt: Path, dest: Path) -> Path:
     import shutil
 
-    broken = tmp_path / "no-streams"
-    shutil.copytree(tiny_merged, broken)
+    shutil.copytree(ckpt, dest)
+    return dest
+
+
+def _without_streams(ckpt: Path, tmp: Path) -> Path:
+    broken = _copy(ckpt, tmp / "no-streams")
     (broken / "specstream.safetensors").unlink()
-    log = engine_error(tmp_path, broken, 2)
-    assert "missing stream tensor(s) ['specstream.stream_embeddings']" in log
+    return broken
 
 
-def test_too_many_speculative_tokens(tiny_merged, tmp_path):
-    log = engine_error(tmp_path, tiny_merged, 5)
-    assert "num_speculative_tokens=5 exceeds the checkpoint's num_streams=3" in log
+def _format_99(ckpt: Path, tmp: Path) -> Path:
+    broken = _copy(ckpt, tmp / "format-99")
+    config = json.loads((broken / "config.json").read_text())
+    config["specstream"]["format_version"] = 99
+    (broken / "config.json").write_text(json.dumps(config))
+    return broken
 
 
-def test_proposer_refuses_a_plain_model(tiny_merged, tmp_path):
-    plain = tiny_merged.with_name(tiny_merged.name + "-base")  # the base it was built from
-    log = engine_error(tmp_path, plain, 2)
-    assert "the specstream proposer needs a SpecStreamForCausalLM checkpoint" in log
+def _half_hidden(ckpt: Path, tmp: Path) -> Path:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    broken = _copy(ckpt, tmp / "half-hidden")
+    tensors = load_file(str(broken / "specstream.safetensors"))
+    p = tensors["specstream.stream_embeddings"]
+    tensors["specstream.stream_embeddings"] = torch.zeros(p.shape[0], p.shape[1] // 2)
+    save_file(tensors, str(broken / "specstream.safetensors"))
+    return broken
+
+
+#: The broken setups a user meets, as (checkpoint from tiny_merged, k, the message).
+#: The tiny checkpoint has num_streams 3 and hidden size 128.
+BROKEN_SETUPS = {
+    "missing-stream-tensors": (
+        _without_streams,
+        2,
+        "specstream.safetensors: missing stream tensor(s) ['specstream.stream_embeddings']",
+    ),
+    "k-above-num-streams": (
+        lambda ckpt, tmp: ckpt,
+        5,
+        "num_speculative_tokens=5 exceeds the checkpoint's num_streams=3",
+    ),
+    "plain-model": (
+        lambda ckpt, tmp: ckpt.with_name(ckpt.name + "-base"),  # the base it was built from
+        2,
+        "the specstream proposer needs a SpecStreamForCausalLM checkpoint",
+    ),
+    "format-version-99": (
+        _format_99,
+        2,
+        "config.json (specstream): format_version is 99, newer than this vllm-specstream",
+    ),
+    "wrong-hidden-size": (
+        _half_hidden,
+        2,
+        "tensor specstream.stream_embeddings has shape [3, 64], expected [3, 128]",
+    ),
+}
+
+
+def last_line_of_failed_start(tmp_path, ckpt: Path, k: int, front_end: str) -> tuple[str, str]:
+    """Start ``ckpt`` as a user would (``LLM(...)`` or ``vllm serve``); it must fail. Returns
+    the last non-empty line of the combined output, and the whole output."""
+    from helpers import free_port, venv_script
+
+    if front_end == "LLM":
+        script = tmp_path / "err.py"
+        script.write_text(ERROR_SCRIPT)
+        cmd = [sys.executable, str(script), str(ckpt), str(k)]
+    else:
+        cmd = [
+            venv_script("vllm"),
+            "serve",
+            str(ckpt),
+            "--spec-model",
+            "specstream",
+            "--spec-tokens",
+            str(k),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--port",
+            str(free_port()),
+        ]
+    out = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+    )
+    assert out.returncode != 0, out.stdout[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    return lines[-1], out.stdout
+
+
+@pytest.mark.parametrize("front_end", ["LLM", "serve"])
+@pytest.mark.parametrize("setup", sorted(BROKEN_SETUPS))
+def test_broken_setup_names_the_cause_last(tiny_merged, tmp_path, setup, front_end):
+    """Each broken setup fails in the front-end, before vLLM spawns an engine, and the last
+    line a user sees is the error naming the file, field or flag and the fix."""
+    make, k, message = BROKEN_SETUPS[setup]
+    last, log = last_line_of_failed_start(tmp_path, make(tiny_merged, tmp_path), k, front_end)
+    assert message in last, log[-4000:]
+    assert last.startswith("vllm_specstream.config.ConfigError: "), last
+    assert "EngineCore" not in log, log[-4000:]  # no engine process was started
 
 
 SAMPLE_SCRIPT = """

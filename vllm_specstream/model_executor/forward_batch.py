@@ -57,6 +57,26 @@ def current_forward_batch(layer_name: str, positions: Tensor) -> ForwardBatch | 
     )
 
 
+def no_forward_batch_reason(layer_name: str) -> str:
+    """Why :func:`current_forward_batch` found no batch for attention layer ``layer_name``
+    (for the proposer's warning when drafts stop: a renamed layer shows up here)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return "vLLM set no forward context"
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0] if metadata else None
+    if metadata is None:
+        return "vLLM passed no attention metadata"
+    if not isinstance(metadata, dict):
+        return f"vLLM's attention metadata is a {type(metadata).__name__}, not a dict by layer"
+    names = sorted(metadata)
+    if layer_name in metadata:
+        return f"vLLM's attention metadata for it is {metadata[layer_name]!r}"
+    return f"vLLM's attention metadata has no such layer (it has {len(names)}, e.g. {names[:2]})"
+
+
 def attention_layer_name(prefix: str, layer_index: int) -> str:
     """vLLM's name of the attention module of decoder layer ``layer_index``."""
     return f"{prefix}layers.{layer_index}.self_attn.attn"

@@ -23,8 +23,6 @@ decoder layers differ from Llama's, a layer adapter in ``stream_forward``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -32,13 +30,15 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.platforms import current_platform
 
 from vllm_specstream import PLACEMENT_PROPOSERS
-from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.config import ConfigError
 from vllm_specstream.logger import init_logger
+from vllm_specstream.merged_checkpoint import base_architecture, read_specstream_section
 from vllm_specstream.model_executor.forward_batch import (
-    ForwardBatch,
     attention_layer_name,
     current_forward_batch,
+    no_forward_batch_reason,
 )
+from vllm_specstream.model_executor.stash import StreamStash
 from vllm_specstream.model_executor.stream_forward import (
     StreamParams,
     StreamRunner,
@@ -47,60 +47,12 @@ from vllm_specstream.model_executor.stream_forward import (
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
 from vllm_specstream.policy import ENV_DRAFT_MIN_PROB, confident_drafts, draft_min_prob_from_env
+from vllm_specstream.preflight import check_platform
 
 logger = init_logger(__name__)
 
-#: Base architectures (``config.json: specstream.base_architectures``) that can be served.
-BASE_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
 #: Where the streams run (see the module docstring); each has its proposer.
 PLACEMENTS = tuple(PLACEMENT_PROPOSERS)
-
-
-@dataclass
-class StreamStash:
-    """What the last forward left for the proposer."""
-
-    step: int
-    batch: ForwardBatch
-    input_ids: torch.Tensor
-    """``[num_tokens]`` the scheduled tokens of the forward."""
-    draft_table: torch.Tensor
-    """``[num_tokens, G]`` top-1 stream tokens of each anchor token; -1 elsewhere and from
-    the first stream below the confidence threshold on."""
-    msa_input: torch.Tensor | None = None
-    """``[num_tokens, h]`` residual stream entering L0, kept until ``draft_at`` (placement
-    ``"accepted"``)."""
-
-
-def _section(hf_config) -> dict:
-    section = getattr(hf_config, "specstream", None)
-    if not isinstance(section, dict):
-        raise ConfigError(
-            "config.json: architectures is ['SpecStreamForCausalLM'] but there is no "
-            "'specstream' section; export the checkpoint with `specstream export --merge`"
-        )
-    return dict(section)
-
-
-def base_architecture(hf_config) -> str:
-    """The checkpoint's base architecture (``specstream.base_architectures[0]``), checked."""
-    base = _section(hf_config).get("base_architectures")
-    if not base or base[0] not in BASE_CLASSES:
-        raise ConfigError(
-            f"config.json: specstream.base_architectures is {base!r}; vllm-specstream serves "
-            f"{list(BASE_CLASSES)}"
-        )
-    return base[0]
-
-
-def read_specstream_section(hf_config) -> SpecStreamConfig:
-    base_architecture(hf_config)
-    section = _section(hf_config)
-    section.pop("base_architectures", None)
-    config = SpecStreamConfig.from_dict(section, where="config.json (specstream)")
-    config.validate(hf_config.num_hidden_layers, where="config.json (specstream)")
-    return config
 
 
 class SpecStreamMixin:
@@ -113,6 +65,9 @@ class SpecStreamMixin:
         self.specstream = StreamParams(self.spec_config, hf_config.hidden_size)
         spec = vllm_config.speculative_config
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        if self.num_speculative_tokens > 0:
+            # Also checked in the front-end (preflight); here for engines built without it.
+            check_platform(current_platform)
         if self.num_speculative_tokens > self.spec_config.num_streams:
             raise ConfigError(
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds the checkpoint's "
@@ -133,8 +88,13 @@ class SpecStreamMixin:
                 self.draft_min_prob,
                 ENV_DRAFT_MIN_PROB,
             )
+        #: The pending stash of the last forward (taken, i.e. cleared, by the proposer) and
+        #: why the last forward left none; ``last_stash`` stays for inspection only.
         self.stash: StreamStash | None = None
-        self._step = 0
+        self.last_stash: StreamStash | None = None
+        self.no_stash_reason: str | None = None
+        #: Counts forwards with speculation on; tags each stash (see ``stash.py``).
+        self.forward_step = 0
         #: Set by the proposer in ``load_model``.
         self.placement = "window"
 
@@ -186,6 +146,11 @@ class SpecStreamMixin:
         return weight[: self.config.vocab_size]
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if self.num_speculative_tokens > 0:
+            # A new step: whatever an earlier forward left is stale from here on.
+            self.forward_step += 1
+            self.stash = None
+            self.no_stash_reason = "the forward ended before the stream pass"
         out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         if not isinstance(out, tuple):  # pipeline-parallel intermediate ranks
             return out
@@ -197,28 +162,43 @@ class SpecStreamMixin:
     def _after_main(self, msa_input: torch.Tensor, positions: torch.Tensor, input_ids) -> None:
         batch = current_forward_batch(self._layer_name, positions)
         if batch is None:
+            self.no_stash_reason = (
+                f"the stream pass found no forward batch for layer {self._layer_name}: "
+                f"{no_forward_batch_reason(self._layer_name)}"
+            )
             return
-        self._step += 1
         table = torch.full((positions.shape[0], self.spec_config.num_streams), -1, dtype=torch.long)
         ids = input_ids[: positions.shape[0]].clone() if input_ids is not None else None
-        self.stash = StreamStash(self._step, batch, ids, table)
+        stash = StreamStash(self.forward_step, batch, ids, table)
+        self.stash = self.last_stash = stash
+        self.no_stash_reason = None
         if self.placement == "window":
-            self._run_streams(msa_input, window_anchors(batch, self.num_speculative_tokens + 1))
+            self._run_streams(
+                stash, msa_input, window_anchors(batch, self.num_speculative_tokens + 1)
+            )
         else:
-            self.stash.msa_input = msa_input
+            stash.msa_input = msa_input
 
-    def draft_at(self, rows: list[int], indices: list[int]) -> torch.Tensor:
+    def take_stash(self) -> StreamStash | None:
+        """The last forward's stash, cleared here so that no later step can read it."""
+        stash, self.stash = self.stash, None
+        if stash is None and self.no_stash_reason is None:
+            self.no_stash_reason = "no forward ran since the last proposal"
+        return stash
+
+    def draft_at(self, stash: StreamStash, rows: list[int], indices: list[int]) -> torch.Tensor:
         """Placement ``"accepted"``: runs the streams at flat token ``indices[i]`` of request
-        row ``rows[i]`` of the last forward; returns the stash's draft table. Every
+        row ``rows[i]`` of the forward that made ``stash``; returns its draft table. Every
         tensor-parallel rank must call it with the same arguments (the layers all-reduce)."""
-        stash = self.stash
         if stash.msa_input is not None:
-            self._run_streams(stash.msa_input, accepted_anchors(stash.batch, rows, indices))
+            self._run_streams(stash, stash.msa_input, accepted_anchors(stash.batch, rows, indices))
             stash.msa_input = None
         return stash.draft_table
 
-    def _run_streams(self, msa_input: torch.Tensor, anchors: torch.Tensor) -> None:
-        """Stream top-1 tokens at ``anchors`` (``[R, A]``) into the stash's draft table."""
+    def _run_streams(
+        self, stash: StreamStash, msa_input: torch.Tensor, anchors: torch.Tensor
+    ) -> None:
+        """Stream top-1 tokens at ``anchors`` (``[R, A]``) into ``stash``'s draft table."""
         valid = anchors >= 0
         if not bool(valid.any()):
             return  # e.g. a step of partial prefills only: no request drafts
@@ -226,13 +206,14 @@ class SpecStreamMixin:
             self._runner = StreamRunner(
                 self, self.specstream, self.spec_config, self._stream_weights
             )
-        hidden = self._runner(msa_input, self.stash.batch, anchors)
+        hidden = self._runner(msa_input, stash.batch, anchors)
         rows = hidden[valid].reshape(-1, hidden.shape[-1])
         head = self._runner.weights.lm_head
         # Any positive logit scale or soft cap keeps the argmax of the plain projection (the
         # confidence rule reads its softmax: exact for Llama/Qwen2, which have neither).
         logits = head(rows) if head is not None else self.compute_logits(rows)
         if logits is None:  # tensor-parallel ranks other than the first
+            stash.drafting_rank = False
             return
         g = self.spec_config.num_streams
         if self.draft_min_prob > 0:
@@ -240,7 +221,7 @@ class SpecStreamMixin:
             tokens = confident_drafts(tokens.view(-1, g), top_prob.view(-1, g), self.draft_min_prob)
         else:
             tokens = logits.argmax(dim=-1).view(-1, g)
-        self.stash.draft_table[anchors[valid]] = tokens
+        stash.draft_table[anchors[valid]] = tokens
 
 
 class SpecStreamLlamaForCausalLM(SpecStreamMixin, LlamaForCausalLM):
@@ -271,9 +252,9 @@ class SpecStreamForCausalLM(SpecStreamLlamaForCausalLM):
 
 
 def stash_snapshot(model) -> dict | None:
-    """The last forward's anchors and stream drafts as plain lists, for inspection through
+    """The last stash's anchors and stream drafts as plain lists, for inspection through
     ``LLM.apply_model(stash_snapshot)``."""
-    stash = getattr(model, "stash", None)
+    stash = getattr(model, "last_stash", None)
     if stash is None:
         return None
     return {

@@ -60,16 +60,11 @@ class StreamParams(nn.Module):
 
     def __init__(self, config: SpecStreamConfig, hidden_size: int):
         super().__init__()
-        g, h = config.num_streams, hidden_size
-        self.stream_embeddings = nn.Parameter(torch.zeros(g, h), requires_grad=False)
-        if config.init_rank > 0:
-            self.init_a = nn.Parameter(torch.zeros(config.init_rank, h), requires_grad=False)
-            self.init_b = nn.Parameter(torch.zeros(h, config.init_rank), requires_grad=False)
-        else:
+        # One definition of names and shapes, shared with the front-end's checkpoint check.
+        for name, shape in config.stream_tensor_shapes(hidden_size).items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape), requires_grad=False))
+        if config.init_rank == 0:
             self.init_a = self.init_b = None
-        if config.prune.enabled:
-            self.prune_a = nn.Parameter(torch.zeros(config.prune.rank, h), requires_grad=False)
-            self.prune_b = nn.Parameter(torch.zeros(h, config.prune.rank), requires_grad=False)
 
 
 def rms_norm(x: Tensor, norm: nn.Module) -> Tensor:

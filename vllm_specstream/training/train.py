@@ -195,6 +195,32 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast):
     return make
 
 
+def train_step(
+    job, optimizer, base_lrs: list[float], make_batch, num_examples: int, args, step: int, autocast
+) -> tuple[dict[str, float], int]:
+    """One optimizer step (``grad_accum`` micro-batches); returns its metrics and the number
+    of real (non-padding) tokens it trained on."""
+    for g, base_lr in zip(optimizer.param_groups, base_lrs):
+        g["lr"] = base_lr * lr_factor(step, args.warmup_steps, args.steps)
+    totals: dict[str, float] = {}
+    tokens = 0
+    for micro in range(args.grad_accum):
+        idx = batch_indices(
+            num_examples, args.batch_size, step * args.grad_accum + micro, args.seed
+        )
+        batch = make_batch(idx)
+        tokens += int(batch["attention_mask"].sum())
+        with autocast():
+            loss, metrics = job.loss(batch)
+        (loss / args.grad_accum).backward()
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v / args.grad_accum
+    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals, tokens
+
+
 def batch_indices(num_examples: int, batch_size: int, micro_step: int, seed: int) -> list[int]:
     """Examples of micro-batch ``micro_step``: a fresh permutation per epoch, fixed by ``seed``,
     so a resumed run sees exactly the batches an uninterrupted one would."""
@@ -435,25 +461,9 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     run_tokens = 0
     try:
         for step in range(start, args.steps):
-            for g, base_lr in zip(optimizer.param_groups, base_lrs):
-                g["lr"] = base_lr * lr_factor(step, args.warmup_steps, args.steps)
-            totals: dict[str, float] = {}
-            tokens = 0
-            for micro in range(args.grad_accum):
-                idx = batch_indices(
-                    len(train_set), args.batch_size, step * args.grad_accum + micro, args.seed
-                )
-                tokens += sum(len(train_set[i]["input_ids"]) for i in idx)
-                with autocast():
-                    loss, metrics = job.loss(make_batch(idx))
-                (loss / args.grad_accum).backward()
-                for k, v in metrics.items():
-                    totals[k] = totals.get(k, 0.0) + v / args.grad_accum
-            torch.nn.utils.clip_grad_norm_(
-                [p for g in optimizer.param_groups for p in g["params"]], 1.0
+            totals, tokens = train_step(
+                job, optimizer, base_lrs, make_batch, len(train_set), args, step, autocast
             )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             record = {
                 "step": step + 1,
                 "tokens": tokens,

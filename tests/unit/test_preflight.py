@@ -1,0 +1,177 @@
+"""The front-end checks of a specstream setup: checkpoint headers, speculative config,
+platform (no engine; the hook into vLLM is tested in tests/vllm/test_patches.py)."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from vllm_specstream import PROPOSER
+from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.preflight import check_platform, check_setup
+
+HIDDEN = 8
+CPU = SimpleNamespace(is_cpu=lambda: True, device_name="cpu")
+CUDA = SimpleNamespace(is_cpu=lambda: False, device_name="cuda")
+
+
+def make_checkpoint(tmp_path: Path, streams_shape=(3, HIDDEN), **section) -> Path:
+    """A merged checkpoint's config.json and specstream.safetensors (no model weights:
+    the checks read headers only)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    spec = {
+        **SpecStreamConfig(num_streams=3, num_msa_layers=2).to_dict(),
+        "base_architectures": ["LlamaForCausalLM"],
+        **section,
+    }
+    spec.pop("loss")
+    config = {
+        "architectures": ["SpecStreamForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 4,
+        "specstream": spec,
+    }
+    (ckpt / "config.json").write_text(json.dumps(config))
+    if streams_shape is not None:
+        embeddings = np.zeros(streams_shape, dtype=np.float32)
+        save_file(
+            {"specstream.stream_embeddings": embeddings}, str(ckpt / "specstream.safetensors")
+        )
+    return ckpt
+
+
+def check(ckpt: Path, k: int | None = 2, platform=CPU, method="custom_class", model=PROPOSER):
+    config = json.loads((ckpt / "config.json").read_text())
+    check_setup(
+        model=str(ckpt),
+        hf_config=SimpleNamespace(**config),
+        spec_method=method if k else None,
+        spec_model=model if k else None,
+        num_speculative_tokens=k,
+        platform=platform,
+    )
+
+
+def test_a_good_setup_passes(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    check(ckpt, k=3)
+    check(ckpt, k=None)  # served as a plain model
+
+
+@pytest.mark.parametrize(
+    ("change", "k", "message"),
+    [
+        (
+            {"streams_shape": None},
+            2,
+            r"ckpt/specstream.safetensors: missing stream tensor\(s\) "
+            r"\['specstream.stream_embeddings'\] \(the file does not exist\).*specstream export",
+        ),
+        (
+            {},
+            5,
+            r"num_speculative_tokens=5 exceeds the checkpoint's num_streams=3 .*--spec-tokens 3",
+        ),
+        (
+            {"format_version": 99},
+            2,
+            r"ckpt/config.json \(specstream\): format_version is 99.*upgrade vllm-specstream",
+        ),
+        (
+            {"streams_shape": (3, HIDDEN // 2)},
+            2,
+            r"specstream.safetensors: tensor specstream.stream_embeddings has shape \[3, 4\], "
+            r"expected \[3, 8\] .*hidden_size=8",
+        ),
+    ],
+)
+def test_broken_checkpoint_names_file_field_and_fix(tmp_path, change, k, message):
+    shape = change.pop("streams_shape", (3, HIDDEN))
+    with pytest.raises(ConfigError, match=message):
+        check(make_checkpoint(tmp_path, streams_shape=shape, **change), k=k)
+
+
+def test_broken_checkpoint_fails_without_speculation_too(tmp_path):
+    """Served as a plain model the model class still needs a readable section and its
+    stream tensors, so the front-end says so too."""
+    with pytest.raises(ConfigError, match="format_version is 99"):
+        check(make_checkpoint(tmp_path, format_version=99), k=None)
+
+
+def test_plain_model_under_the_proposer(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    del config["specstream"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="needs a SpecStreamForCausalLM checkpoint.*without"):
+        check(ckpt)
+    check(ckpt, k=None)  # plain serving of a plain model: not our business
+    check(ckpt, method="ngram", model=None)  # another speculative method: neither
+
+
+def test_stream_file_left_out_of_the_index(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(ckpt / "model-00001.safetensors"))
+    index = {"weight_map": {"w": "model-00001.safetensors"}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="not listed in .*model.safetensors.index.json"):
+        check(ckpt)
+    index["weight_map"]["specstream.stream_embeddings"] = "specstream.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    check(ckpt)
+
+
+def test_speculation_is_refused_off_cpu(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        check_platform(CUDA)
+    assert str(e.value) == (
+        "vllm-specstream's stream pass runs on vLLM's CPU backend only (verified on vLLM 0.32 "
+        "CPU); platform cuda is not supported yet: serve without --spec-model (LLM(...) "
+        "without speculative_config) to run the checkpoint as a plain model"
+    )
+    ckpt = make_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="platform cuda is not supported yet"):
+        check(ckpt, platform=CUDA)
+    check(ckpt, k=None, platform=CUDA)  # plain serving is not refused
+    check_platform(CPU)
+
+
+def test_the_vllm_hook_reads_the_current_platform(tmp_path, monkeypatch):
+    """The front-end hook passes vLLM's ``current_platform``: a CUDA platform (patched in)
+    is refused before any engine starts."""
+    pytest.importorskip("vllm")
+    import vllm.platforms
+
+    from vllm_specstream.patches.engine_config_check import check_vllm_config
+
+    ckpt = make_checkpoint(tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model=str(ckpt), hf_config=SimpleNamespace(**config)),
+        speculative_config=SimpleNamespace(
+            method="custom_class", model=PROPOSER, num_speculative_tokens=2
+        ),
+        load_config=SimpleNamespace(load_format="auto"),
+    )
+    monkeypatch.setattr(vllm.platforms, "_current_platform", CUDA)
+    with pytest.raises(ConfigError, match="platform cuda is not supported yet"):
+        check_vllm_config(vllm_config)
+    monkeypatch.setattr(vllm.platforms, "_current_platform", CPU)
+    check_vllm_config(vllm_config)
+
+
+def test_stream_params_follow_the_config_shapes():
+    """The model's parameters and the front-end's check share one definition."""
+    pytest.importorskip("torch")
+    from vllm_specstream.model_executor.stream_forward import StreamParams
+
+    config = SpecStreamConfig(num_streams=3, init_rank=2)
+    config.prune.enabled = True
+    params = {n: tuple(p.shape) for n, p in StreamParams(config, HIDDEN).named_parameters()}
+    assert params == config.stream_tensor_shapes(HIDDEN)
+    assert set(params) == {"stream_embeddings", "init_a", "init_b", "prune_a", "prune_b"}

@@ -1,0 +1,85 @@
+"""Checks of a specstream setup that run in vLLM's front-end, before the engine spawns.
+
+An exception raised in vLLM's engine core or worker reaches the user buried in several
+processes' tracebacks; one raised while the front-end builds the engine config is the last
+thing printed. So everything knowable from the settings, the platform and the checkpoint's
+``config.json`` and safetensors headers is checked here (the hook that calls
+:func:`check_setup` is ``patches/engine_config_check.py``). The model class and the proposer
+check the same things again at load time, for engines built without the front-end.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vllm_specstream.config import MERGED_ARCHITECTURE, ConfigError
+from vllm_specstream.merged_checkpoint import check_stream_tensors, read_specstream_section
+
+#: Any ``custom_class`` proposer of this package (``--spec-model vllm_specstream.proposer.X``;
+#: the ``specstream`` alias resolves to one before the check runs).
+PROPOSER_PREFIX = "vllm_specstream."
+
+#: vLLM load formats that read the checkpoint's safetensors files (others: no tensor check).
+SAFETENSORS_LOAD_FORMATS = ("auto", "safetensors")
+
+
+def platform_error(platform_name: str) -> str:
+    return (
+        "vllm-specstream's stream pass runs on vLLM's CPU backend only (verified on vLLM 0.32 "
+        f"CPU); platform {platform_name} is not supported yet: serve without --spec-model "
+        "(LLM(...) without speculative_config) to run the checkpoint as a plain model"
+    )
+
+
+def check_platform(platform) -> None:
+    """Refuse speculation on any platform but vLLM's CPU backend (``platform``: vLLM's
+    ``current_platform``). The stream pass calls CPU-only cache kernels and reads the CPU
+    KV-cache layout; on CUDA it would fail at the first speculative step, unclearly."""
+    if not platform.is_cpu():
+        name = getattr(platform, "device_name", None) or type(platform).__name__
+        raise ConfigError(platform_error(name))
+
+
+def uses_specstream_proposer(method: str | None, model: str | None) -> bool:
+    return method == "custom_class" and str(model or "").startswith(PROPOSER_PREFIX)
+
+
+def check_setup(
+    *,
+    model: str,
+    hf_config,
+    spec_method: str | None,
+    spec_model: str | None,
+    num_speculative_tokens: int | None,
+    platform,
+    load_format: str = "auto",
+) -> None:
+    """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
+    engine config cannot serve: ``model`` is vLLM's model path, ``hf_config`` its parsed
+    ``config.json``, ``spec_*`` the resolved speculative config (None without one)."""
+    speculating = uses_specstream_proposer(spec_method, spec_model)
+    if speculating:
+        check_platform(platform)
+    model_dir = Path(model)
+    local = model_dir.is_dir()
+    config_file = f"{model_dir / 'config.json'}" if local else f"{model} config.json"
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if MERGED_ARCHITECTURE not in architectures:
+        if speculating:
+            raise ConfigError(
+                f"the specstream proposer needs a {MERGED_ARCHITECTURE} checkpoint, got "
+                f"{model} ({config_file}: architectures {architectures}); export one with "
+                "`specstream export ADAPTER OUT --merge`, or serve this model without "
+                "--spec-model (LLM(...) without speculative_config)"
+            )
+        return
+    config = read_specstream_section(hf_config, where=config_file)
+    if speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
+        g = config.num_streams
+        raise ConfigError(
+            f"num_speculative_tokens={num_speculative_tokens} exceeds the checkpoint's "
+            f"num_streams={g} ({config_file}: specstream.num_streams); ask for at most {g} "
+            f"drafts: --spec-tokens {g}, or speculative_config({g})"
+        )
+    if local and str(load_format) in SAFETENSORS_LOAD_FORMATS:
+        check_stream_tensors(model_dir, config, hf_config.hidden_size)
