@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
 from vllm_specstream.training.model import SpecStreamModel
 
@@ -42,7 +43,11 @@ def first_trainable_layer(model: SpecStreamModel) -> int:
 
 @torch.no_grad()
 def prefix_hidden(
-    model: SpecStreamModel, encoded: list[dict], layer: int, batch_size: int = 8
+    model: SpecStreamModel,
+    encoded: list[dict],
+    layer: int,
+    batch_size: int = 8,
+    progress: bool = False,
 ) -> list[Tensor]:
     """Per example, the residual stream ``[T_i, h]`` entering decoder layer ``layer``.
 
@@ -55,6 +60,7 @@ def prefix_hidden(
     decoder = model.decoder
     out: list[Tensor | None] = [None] * len(encoded)
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["input_ids"]))
+    bar = tqdm(total=len(order), desc=f"cache layers 0-{layer - 1}", disable=not progress)
     try:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
@@ -71,7 +77,9 @@ def prefix_hidden(
                 h, _, _ = model._main_layer(block, h, cos, sin, mask, None)
             for row, i in enumerate(idx):
                 out[i] = h[row, : lengths[row]].clone()
+            bar.update(len(idx))
     finally:
+        bar.close()
         model.train(was_training)
     return out  # type: ignore[return-value]
 

@@ -76,10 +76,15 @@ class MedusaHeads(nn.Module):
         return total, metrics
 
     @torch.no_grad()
-    def final_hidden(self, encoded: list[dict], batch_size: int = 8) -> list[Tensor]:
+    def final_hidden(
+        self, encoded: list[dict], batch_size: int = 8, progress: bool = False
+    ) -> list[Tensor]:
         """Per example, the frozen model's final hidden state ``[T_i, h]`` (after the norm)."""
+        from tqdm.auto import tqdm
+
         out: list[Tensor | None] = [None] * len(encoded)
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["input_ids"]))
+        bar = tqdm(total=len(order), desc="cache the frozen model", disable=not progress)
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             lengths = [len(encoded[i]["input_ids"]) for i in idx]
@@ -91,6 +96,8 @@ class MedusaHeads(nn.Module):
             hidden = self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
             for row, i in enumerate(idx):
                 out[i] = hidden[row, : lengths[row]].clone()
+            bar.update(len(idx))
+        bar.close()
         return out  # type: ignore[return-value]
 
     def extra_params(self) -> int:

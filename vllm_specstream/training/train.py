@@ -136,7 +136,7 @@ def collate(encoded: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": attn, "labels_mask": labels}
 
 
-def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast):
+def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress: bool = False):
     """The function from example indices to a training batch: padded (:func:`collate`), or
     packed, with the frozen layers' output cached where that applies (:mod:`fast_batches`;
     Medusa heads: the whole model is frozen, its final hidden state is cached)."""
@@ -166,9 +166,9 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast):
             t0 = time.monotonic()
             with autocast():  # the precision the layers would run in at every step
                 hidden = (
-                    model.final_hidden(train_set)
+                    model.final_hidden(train_set, progress=progress)
                     if medusa
-                    else prefix_hidden(model, train_set, start)
+                    else prefix_hidden(model, train_set, start, progress=progress)
                 )
             logger.info(
                 "Layers 0-%d are frozen: their output for %d examples cached (%.2f GiB, %.0f s)",
@@ -433,7 +433,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     if start >= args.steps:  # e.g. a script run again: never relabel a longer run's state
         logger.info("%s is trained to step %d >= --steps %d: nothing to do", out, start, args.steps)
         return out
-    make_batch = batch_maker(job, args, train_set, autocast)
+    make_batch = batch_maker(job, args, train_set, autocast, progress)
     if start == 0:
         job.calibrate(
             collate(
