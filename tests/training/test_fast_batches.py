@@ -119,6 +119,7 @@ def test_fast_training_path_logs_the_same_losses(tiny_base, tmp_path):  # noqa: 
     for fast in (False, True):
         out = tmp_path / f"fast-{fast}"
         train(args_for(tiny_base, out, steps=4, pack=fast, frozen_prefix=fast), progress=False)
+        assert not (out / "frozen_prefix.pt").exists()  # a finished run drops its cache
         logs[fast] = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     for slow, fast in zip(logs[False], logs[True], strict=True):
         for k in ("loss", "loss_main", "loss_stream1", "eval_loss"):
@@ -141,3 +142,22 @@ def test_medusa_heads_on_cached_final_hidden_states_give_the_same_loss():
     got, metrics = heads.loss(cached)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert metrics == pytest.approx(want_metrics, rel=1e-4)
+
+
+def test_the_cache_file_is_reused_only_for_the_same_examples(tmp_path):
+    from vllm_specstream.training.fast_batches import cache_key, load_or_compute
+
+    batch = examples(3)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return [torch.full((len(e["input_ids"]), 2), float(len(calls))) for e in batch]
+
+    path = tmp_path / "frozen_prefix.pt"
+    first = load_or_compute(path, cache_key("base", 3, encoded=batch), compute)
+    again = load_or_compute(path, cache_key("base", 3, encoded=batch), compute)
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    batch[0]["input_ids"][0] += 1  # another data set: computed again
+    load_or_compute(path, cache_key("base", 3, encoded=batch), compute)
+    assert len(calls) == 2

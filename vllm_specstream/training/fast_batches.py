@@ -15,6 +15,7 @@ Two independent savings, both exact up to floating-point summation order:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -82,6 +83,32 @@ def prefix_hidden(
         bar.close()
         model.train(was_training)
     return out  # type: ignore[return-value]
+
+
+def cache_key(*parts, encoded: list[dict]) -> str:
+    """What a cached prefix depends on: the frozen model and layer (``parts``) and every
+    example's token ids, hashed."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps([str(p) for p in parts]).encode())
+    for e in encoded:
+        digest.update(json.dumps(e["input_ids"]).encode())
+    return digest.hexdigest()
+
+
+def load_or_compute(path: Path, key: str, compute) -> list[Tensor]:
+    """The tensors saved at ``path`` under ``key``, or ``compute()`` saved there, so a resumed
+    run does not redo the cache (minutes on a CPU)."""
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("key") == key:
+            return saved["hidden"]
+    hidden = compute()
+    tmp = path.with_suffix(".tmp")
+    torch.save({"key": key, "hidden": hidden}, tmp)
+    tmp.replace(path)
+    return hidden
 
 
 def pad_rows(rows: list[Tensor]) -> Tensor:

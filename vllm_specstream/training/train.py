@@ -28,6 +28,9 @@ logger = init_logger(__name__)
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.pt"
 LOG_FILE = "train_log.jsonl"
+#: The frozen layers' output per training example, kept until the run finishes so that a
+#: resumed run does not compute it again.
+FROZEN_PREFIX_FILE = "frozen_prefix.pt"
 OBJECTIVES = ("specstream", "ntp", "medusa")
 
 
@@ -141,7 +144,9 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
     packed, with the frozen layers' output cached where that applies (:mod:`fast_batches`;
     Medusa heads: the whole model is frozen, its final hidden state is cached)."""
     from vllm_specstream.training.fast_batches import (
+        cache_key,
         first_trainable_layer,
+        load_or_compute,
         pack_batch,
         pad_rows,
         prefix_hidden,
@@ -164,12 +169,15 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
             )
         else:
             t0 = time.monotonic()
-            with autocast():  # the precision the layers would run in at every step
-                hidden = (
-                    model.final_hidden(train_set, progress=progress)
-                    if medusa
-                    else prefix_hidden(model, train_set, start, progress=progress)
-                )
+
+            def compute():
+                with autocast():  # the precision the layers would run in at every step
+                    if medusa:
+                        return model.final_hidden(train_set, progress=progress)
+                    return prefix_hidden(model, train_set, start, progress=progress)
+
+            key = cache_key(args.base, start, medusa, args.dtype, encoded=train_set)
+            hidden = load_or_compute(Path(args.out) / FROZEN_PREFIX_FILE, key, compute)
             logger.info(
                 "Layers 0-%d are frozen: their output for %d examples cached (%.2f GiB, %.0f s)",
                 start - 1,
@@ -494,5 +502,6 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
         log.close()
     job.save(out)
     _save_checkpoint(job, optimizer, args.steps, out)
+    (out / FROZEN_PREFIX_FILE).unlink(missing_ok=True)  # only a resumed run needs it
     logger.info("Adapter saved to %s (%.0f s)", out, time.monotonic() - started)
     return out
