@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_specstream.config import CONFIG_FILE, ConfigError, SpecStreamConfig
+from vllm_specstream.config import CONFIG_FILE, STREAM_FILE, ConfigError, SpecStreamConfig
 from vllm_specstream.training.model import SpecStreamModel, check_supported
 
-STREAM_FILE = "specstream.safetensors"
 #: Prefix of the stream tensors inside a merged checkpoint.
 MERGED_PREFIX = "specstream."
 MERGED_ARCHITECTURE = "SpecStreamForCausalLM"
@@ -137,24 +136,11 @@ def save_adapter(model: SpecStreamModel, out_dir: str | Path) -> Path:
     return out
 
 
-def expected_stream_shapes(
-    config: SpecStreamConfig, hidden_size: int
-) -> dict[str, tuple[int, ...]]:
-    shapes = {"stream_embeddings": (config.num_streams, hidden_size)}
-    if config.init_rank > 0:
-        shapes["init_a"] = (config.init_rank, hidden_size)
-        shapes["init_b"] = (hidden_size, config.init_rank)
-    if config.prune.enabled:
-        shapes["prune_a"] = (config.prune.rank, hidden_size)
-        shapes["prune_b"] = (hidden_size, config.prune.rank)
-    return shapes
-
-
 def check_stream_tensors(
     tensors: dict[str, torch.Tensor], config: SpecStreamConfig, hidden_size: int, where: str
 ) -> None:
     """Names and shapes of the stream tensors must match the config exactly."""
-    expected = expected_stream_shapes(config, hidden_size)
+    expected = config.stream_tensor_shapes(hidden_size)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ConfigError(
