@@ -75,7 +75,9 @@ class SpecStreamMixin:
             )
         n = hf_config.num_hidden_layers
         self.first_msa_layer = n - self.spec_config.num_msa_layers
-        self.model._set_aux_hidden_state_layers((self.first_msa_layer,))
+        # vLLM's public EAGLE-3 hook: the decoder then also returns the residual stream
+        # entering L0, which the streams start from.
+        self.set_aux_hidden_state_layers((self.first_msa_layer,))
         self._layer_name = attention_layer_name(f"{prefix}.model." if prefix else "model.", n - 1)
         self._runner: StreamRunner | None = None
         self._stream_weights: StreamWeights | None = None
