@@ -13,6 +13,7 @@ Nothing here imports torch or transformers; a tokenizer is passed in by the call
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,20 +100,26 @@ def parse_record(record: Any, where: str) -> ChatExample:
     )
 
 
+def jsonl_records(path: str | Path, text: str | None = None) -> Iterator[tuple[str, Any]]:
+    """``("file:line", decoded value)`` of every non-blank line of a JSONL file (``text``: its
+    contents, when the caller has read them already)."""
+    if text is None:
+        text = Path(path).read_text(encoding="utf-8")
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line separators.
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+        yield where, record
+
+
 def load_jsonl(path: str | Path) -> list[ChatExample]:
     """Read every non-blank line of a JSONL file as a :class:`ChatExample`."""
-    examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-            examples.append(parse_record(record, where))
-    return examples
+    return [parse_record(record, where) for where, record in jsonl_records(path)]
 
 
 # --------------------------------------------------------------------------- tokenisation

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_specstream.training.data import ChatExample, sql_example, user_example
+from vllm_specstream.training.data import (
+    ChatExample,
+    jsonl_records,
+    sql_example,
+    user_example,
+)
 from vllm_specstream.training.tasks._split import normalise_key
 
 #: Tasks with a public data format; ``--task`` also offers the synthetic ``code`` and ``text``.
@@ -113,15 +118,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
         for line, item in _json_list_items(text, path):
             yield _checked_object(item, f"{path}:{line}")
         return
-    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line separators.
-    for lineno, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    for where, item in jsonl_records(path, text):
         yield _checked_object(item, where)
 
 
