@@ -43,6 +43,28 @@ def first_trainable_layer(model: SpecStreamModel) -> int:
 
 
 @torch.no_grad()
+def per_example_hidden(
+    encoded: list[dict], run, batch_size: int = 8, desc: str = "cache", progress: bool = False
+) -> list[Tensor]:
+    """Per example, ``run(ids, lengths)``'s ``[T_i, h]`` rows, computed in batches of
+    similar length: ``ids`` ``[B, T]`` right-padded (padding does not change the real positions
+    of a causal model), ``run`` returns ``[B, T, h]``."""
+    out: list[Tensor | None] = [None] * len(encoded)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["input_ids"]))
+    with tqdm(total=len(order), desc=desc, disable=not progress) as bar:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            lengths = [len(encoded[i]["input_ids"]) for i in idx]
+            ids = torch.zeros(len(idx), max(lengths), dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, : lengths[row]] = torch.tensor(encoded[i]["input_ids"])
+            h = run(ids, lengths)
+            for row, i in enumerate(idx):
+                out[i] = h[row, : lengths[row]].clone()
+            bar.update(len(idx))
+    return out  # type: ignore[return-value]
+
+
 def prefix_hidden(
     model: SpecStreamModel,
     encoded: list[dict],
@@ -50,39 +72,28 @@ def prefix_hidden(
     batch_size: int = 8,
     progress: bool = False,
 ) -> list[Tensor]:
-    """Per example, the residual stream ``[T_i, h]`` entering decoder layer ``layer``.
-
-    Examples run in batches of similar length (right padding does not change the real
-    positions of a causal model)."""
+    """Per example, the residual stream ``[T_i, h]`` entering decoder layer ``layer``."""
     if layer == 0:
         raise ValueError("layer 0 has no frozen prefix to cache")
+    decoder = model.decoder
+
+    def run(ids: Tensor, lengths: list[int]) -> Tensor:
+        b, t = ids.shape
+        positions = torch.arange(t).expand(b, t)
+        mask = torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t)
+        h = decoder.embed_tokens(ids)
+        cos, sin = decoder.rotary_emb(h, positions)
+        for block in list(decoder.layers)[:layer]:
+            h, _, _ = model._main_layer(block, h, cos, sin, mask, None)
+        return h
+
     was_training = model.training
     model.eval()
-    decoder = model.decoder
-    out: list[Tensor | None] = [None] * len(encoded)
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["input_ids"]))
-    bar = tqdm(total=len(order), desc=f"cache layers 0-{layer - 1}", disable=not progress)
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            lengths = [len(encoded[i]["input_ids"]) for i in idx]
-            t = max(lengths)
-            ids = torch.zeros(len(idx), t, dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids[row, : lengths[row]] = torch.tensor(encoded[i]["input_ids"])
-            positions = torch.arange(t).expand(len(idx), t)
-            mask = torch.ones(t, t, dtype=torch.bool).tril().expand(len(idx), t, t)
-            h = decoder.embed_tokens(ids)
-            cos, sin = decoder.rotary_emb(h, positions)
-            for block in list(decoder.layers)[:layer]:
-                h, _, _ = model._main_layer(block, h, cos, sin, mask, None)
-            for row, i in enumerate(idx):
-                out[i] = h[row, : lengths[row]].clone()
-            bar.update(len(idx))
+        desc = f"cache layers 0-{layer - 1}"
+        return per_example_hidden(encoded, run, batch_size, desc, progress)
     finally:
-        bar.close()
         model.train(was_training)
-    return out  # type: ignore[return-value]
 
 
 def cache_key(*parts, encoded: list[dict]) -> str:

@@ -80,25 +80,13 @@ class MedusaHeads(nn.Module):
         self, encoded: list[dict], batch_size: int = 8, progress: bool = False
     ) -> list[Tensor]:
         """Per example, the frozen model's final hidden state ``[T_i, h]`` (after the norm)."""
-        from tqdm.auto import tqdm
+        from vllm_specstream.training.fast_batches import per_example_hidden
 
-        out: list[Tensor | None] = [None] * len(encoded)
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]["input_ids"]))
-        bar = tqdm(total=len(order), desc="cache the frozen model", disable=not progress)
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            lengths = [len(encoded[i]["input_ids"]) for i in idx]
-            ids = torch.zeros(len(idx), max(lengths), dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(idx):
-                ids[row, : lengths[row]] = torch.tensor(encoded[i]["input_ids"])
-                mask[row, : lengths[row]] = 1
-            hidden = self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
-            for row, i in enumerate(idx):
-                out[i] = hidden[row, : lengths[row]].clone()
-            bar.update(len(idx))
-        bar.close()
-        return out  # type: ignore[return-value]
+        def run(ids: Tensor, lengths: list[int]) -> Tensor:
+            mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+            return self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+        return per_example_hidden(encoded, run, batch_size, "cache the frozen model", progress)
 
     def extra_params(self) -> int:
         return sum(p.numel() for p in self.blocks.parameters())
