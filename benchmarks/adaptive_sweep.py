@@ -3,7 +3,8 @@
 Runs plain decoding and specstream with a fixed draft length k (adaptive policy off) for
 each k, on one merged checkpoint, greedy, the same prompts, and prints the speedup table
 and the batch-size schedule it suggests (the longest-paying k per batch size; 0 where no
-k beats plain by more than ``--margin``). ``policy.DEFAULT_SCHEDULE`` comes from this.
+k beats plain by more than ``--margin``): a fixed schedule for
+``num_speculative_tokens_per_batch_size``, where a user wants one instead of the adaptive policy.
 
     .venv/bin/python benchmarks/adaptive_sweep.py CKPT [--ks 1,2,4] [--batch-sizes 1,2,4,8,12,16]
         [-n 16] [--repeats 2] [--out DIR]

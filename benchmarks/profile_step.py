@@ -1,24 +1,30 @@
 """Where a specstream decode step spends its time on CPU (batch 1, greedy).
 
 Runs the engine in this process, wraps the plugin's pieces and vLLM's model-runner phases in
-``torch.profiler.record_function`` ranges, decodes ``-n`` prompts one at a time and prints
-the time per decode step of each range (median-free: totals / steps), then the top
-operators by self time. Compare ``--k 0`` (plain) with ``--k 4``.
+``torch.profiler.record_function`` ranges, decodes ``-n`` prompts one at a time and prints,
+for decode steps only (prefill steps are left out), the median time per step of each range
+and of the whole step (``execute_model`` + ``sample_tokens``, which runs the proposer), then
+with ``--ops`` the top operators by self time. Compare ``--k 0`` (plain) with ``--k 4``.
 
     .venv/bin/python benchmarks/profile_step.py CKPT [--k 4] [-n 4] [--dtype float32]
+        [--task sql --data FILE --split val]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import statistics
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 TIMES: dict[str, list[float]] = {}
+#: Time of each range in the current step (reset when a step starts).
+STEP: dict[str, float] = {}
 
 
 def wrap(obj, name: str, label: str) -> None:
@@ -36,8 +42,10 @@ def wrap(obj, name: str, label: str) -> None:
         start = time.perf_counter()
         with record_function(label):
             out = fn(*a, **kw)
-        TIMES[label][0] += time.perf_counter() - start
+        took = time.perf_counter() - start
+        TIMES[label][0] += took
         TIMES[label][1] += 1
+        STEP[label] = STEP.get(label, 0.0) + took
         return out
 
     setattr(obj, name, wrapped)
@@ -61,11 +69,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("ckpt")
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("-n", type=int, default=4, help="prompts profiled (after one warm-up)")
+    ap.add_argument("-n", type=int, default=4, help="batches per batch size (after one warm-up)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ops", action="store_true", help="also run torch.profiler: operator table")
     ap.add_argument("--rows", type=int, default=25, help="operator rows printed with --ops")
+    ap.add_argument("--task", default="sql", help="task of the prompts (sql, e2e, dialogsum)")
+    ap.add_argument("--data", help="task file whose --split gives the prompts (else synthetic)")
+    ap.add_argument("--split", default="val", help="all, train or val side of --data")
+    ap.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="requests decoded together, comma-separated (> 1: fixed lengths, ignore_eos)",
+    )
+    ap.add_argument("--json", help="write the medians per batch size here")
     args = ap.parse_args()
     preload_iomp_and_reexec()
 
@@ -79,7 +96,8 @@ def main() -> None:
     from vllm_specstream.model_executor import stream_forward as sf
     from vllm_specstream.proposer import SpecStreamProposer
     from vllm_specstream.training.data import prompt_text
-    from vllm_specstream.training.tasks import build_task, to_example
+    from vllm_specstream.training.tasks import build_task, load_task_data, select_split, to_example
+    from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
 
     wrap(ss.SpecStreamMixin, "forward", "model.forward (main + hook)")
     wrap(ss.SpecStreamMixin, "_run_streams", "streams: total")
@@ -95,44 +113,89 @@ def main() -> None:
             wrap(runner_cls, name, f"runner.{name}")
 
     tok = AutoTokenizer.from_pretrained(args.ckpt)
-    prompts = [
-        prompt_text(tok, to_example("sql", r).messages)
-        for r in build_task("sql", "test", n=args.n + 1)
-    ]
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    need = 1 + args.n * max(sizes)
+    if args.data:
+        records = select_split(
+            load_task_data(args.task, args.data), args.split, DEFAULT_VAL_FRACTION
+        )
+        messages = [r.messages for r in records]
+    else:
+        examples = build_task(args.task, "test", n=need)
+        messages = [to_example(args.task, r).messages for r in examples]
+    messages = (messages * -(-need // len(messages)))[:need]
+    prompts = [prompt_text(tok, m) for m in messages]
     kw = cpu_engine_kwargs(dtype=args.dtype)
     if args.k:
         kw["speculative_config"] = speculative_config(args.k, adaptive=False)
     llm = LLM(model=args.ckpt, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    # Fixed lengths (ignore_eos) keep the batch full: the step cost is per batch size.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.batch_sizes != "1"
+    )
     llm.generate(prompts[:1], params, use_tqdm=False)
-    steps = {"n": 0}
+    steps: list[tuple[int, bool, dict[str, float]]] = []  # (requests, decode?, ranges)
+    current: dict = {}
     orig = runner_cls.execute_model
 
-    def counted(self, *a, **kw):
-        steps["n"] += 1
-        return orig(self, *a, **kw)
+    def counted(self, scheduler_output, *a, **kw):
+        # A step runs from here to the next step's start (it ends in sample_tokens).
+        if current:
+            steps.append((current["reqs"], current["decode"], dict(STEP)))
+        STEP.clear()
+        per_req = list(scheduler_output.num_scheduled_tokens.values())
+        current.update(reqs=len(per_req), decode=bool(per_req) and max(per_req) <= args.k + 1)
+        return orig(self, scheduler_output, *a, **kw)
 
     runner_cls.execute_model = counted
     for t in TIMES.values():
         t[:] = [0.0, 0]
-    tokens = 0
+    report = {"k": args.k, "checkpoint": args.ckpt, "batch_sizes": {}}
     prof = profile(activities=[ProfilerActivity.CPU]) if args.ops else contextlib.nullcontext()
-    start = time.perf_counter()
     with prof:
-        for p in prompts[1:]:
-            out = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
-            tokens += len(out.token_ids)
-    wall = time.perf_counter() - start
-    n = max(steps["n"], 1)
-    print(
-        f"\n{tokens} tokens, {n} steps ({tokens / n:.2f} tokens/step), k={args.k}, "
-        f"{wall:.2f} s, {tokens / wall:.2f} tok/s{' (under the profiler)' if args.ops else ''}"
-    )
-    print(f"{'range':40s} {'ms/step':>9s} {'calls/step':>10s}")
-    for label, (total, calls) in sorted(TIMES.items(), key=lambda kv: -kv[1][0]):
-        print(f"{label:40s} {total * 1e3 / n:9.2f} {calls / n:10.2f}")
+        for b in sizes:
+            steps.clear()
+            current.clear()
+            tokens = 0
+            start = time.perf_counter()
+            for i in range(args.n):
+                group = prompts[1 + i * b : 1 + (i + 1) * b]
+                outs = llm.generate(group, params, use_tqdm=False)
+                tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            wall = time.perf_counter() - start
+            if current:
+                steps.append((current["reqs"], current["decode"], dict(STEP)))
+            report["batch_sizes"][b] = summarize(steps, b, tokens, wall, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
     if args.ops:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+def summarize(steps, b: int, tokens: int, wall: float, args) -> dict:
+    """Median ms per decode step of each range over the steps that ran ``b`` requests."""
+    step_key = ("runner.execute_model", "runner.sample_tokens")
+    full = [ranges for reqs, decode, ranges in steps if decode and reqs == b]
+    for d in full:
+        d["decode step (execute_model + sample_tokens)"] = sum(d.get(k, 0.0) for k in step_key)
+    labels = {k for d in full for k in d}
+    medians = {k: statistics.median(d.get(k, 0.0) for d in full) * 1e3 for k in labels}
+    print(
+        f"\nbatch {b}, k={args.k}: {tokens} tokens, {len(steps)} steps "
+        f"({tokens / max(1, len(steps)) / b:.2f} tokens/step per request), {wall:.2f} s, "
+        f"{tokens / wall:.2f} tok/s{' (under the profiler)' if args.ops else ''}"
+    )
+    print(f"{len(full)} decode steps with {b} requests; median ms per step (absent ranges: 0)")
+    for label, ms in sorted(medians.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:45s} {ms:9.2f}")
+    return {
+        "tokens": tokens,
+        "steps": len(steps),
+        "wall_s": wall,
+        "decode_steps": len(full),
+        "median_ms": medians,
+    }
 
 
 if __name__ == "__main__":

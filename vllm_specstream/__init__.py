@@ -33,10 +33,11 @@ def speculative_config(
     ``placement``: ``"window"`` (streams for every position of the verified window, inside
     the forward: the paper's parallel design) or ``"accepted"`` (streams only at the last
     accepted position, after rejection sampling); default: the faster on CPU.
-    ``adaptive``: shorten or skip drafts as the batch grows (``policy.DEFAULT_SCHEDULE``,
-    or ``num_speculative_tokens_per_batch_size`` in ``options``); False drafts
-    ``num_speculative_tokens`` at every batch size. ``options`` are further fields of
-    vLLM's ``SpeculativeConfig``.
+    ``adaptive``: draft as many tokens as pay at each step, from the step cost measured on
+    this CPU class and the acceptance seen so far (:mod:`vllm_specstream.policy`), or by
+    ``num_speculative_tokens_per_batch_size`` in ``options`` (vLLM's batch-size schedule);
+    False drafts ``num_speculative_tokens`` at every batch size. ``options`` are further
+    fields of vLLM's ``SpeculativeConfig``.
     """
     if placement is not None and placement not in PLACEMENT_PROPOSERS:
         raise ValueError(

@@ -1,96 +1,154 @@
 """Adaptive speculation: how many drafts each request gets this step.
 
-Verifying ``k`` drafts makes every request's forward ``k + 1`` rows long. At batch 1 the
-extra rows are nearly free (the step is bound by reading the weights); as the batch grows
-the step becomes bound by arithmetic and the extra rows cost about what they save, then
-more. Two rules bound the drafts:
+Verifying ``k`` drafts makes every request's forward ``k + 1`` rows long and adds the stream
+pass. Whether that pays depends on the CPU (extra rows cost more on AVX2 than with
+AVX-512), on the batch size (at batch 1 a step is bound by reading the weights, with many
+requests by arithmetic) and on how many drafts the target accepts (the checkpoint, the
+task, the prompts). The default policy weighs all three every step:
 
-* **Load**: a batch-size schedule in vLLM's own format
-  (``num_speculative_tokens_per_batch_size``: inclusive ranges ``(first, last, k)``), so a
-  user can set it on the command line like for vLLM's built-in methods; the proposer
-  applies it (vLLM does not pass its dynamic draft length to ``custom_class`` proposers).
-* **Stream confidence** (``$SPECSTREAM_DRAFT_MIN_PROB``, off by default): a request's draft
-  stops before the first stream whose cumulative top-1 probability (the product of the
-  streams' top-1 probabilities up to it, an estimate of the chance the whole prefix is
-  accepted) falls below the threshold; below it at stream 1, the request does not draft.
+* **cost**: the measured cost of a step with ``k`` drafts over a plain step at this batch
+  size on this CPU class (:mod:`vllm_specstream.step_cost`);
+* **acceptance**: :class:`AcceptanceStats`, a running estimate from what vLLM verified of
+  the chance that draft position ``j`` is accepted (decayed counts, so it follows the
+  traffic, and a prior so that a fresh engine drafts);
+* it drafts the ``k`` of highest expected speedup ``E[tokens | k] / cost(batch, k)``, or
+  nothing where no ``k`` beats a plain step by ``margin``.
+
+A user's batch-size schedule in vLLM's own format (``num_speculative_tokens_per_batch_size``,
+read with vLLM's validator in :mod:`vllm_specstream.vllm_schedule`) replaces the cost model.
+The confidence rule (``$SPECSTREAM_DRAFT_MIN_PROB``, off by default) then cuts each
+request's draft before the first stream whose cumulative top-1 probability falls below it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from vllm_specstream.config import ConfigError
-
-Schedule = list[tuple[int, int, int]]
-
-#: Measured on the SQL demo checkpoint (fp32, 2-core CPU, benchmarks/adaptive_sweep.py,
-#: benchmarks/results/sql-smollm2/adaptive.json): 4 drafts win up to batch 8 (1.06x there),
-#: 2 drafts break even at 16 (1.03x vs 0.99x for 4), and at 32 any draft loses (0.92-0.97x).
-DEFAULT_SCHEDULE: Schedule = [(1, 15, 4), (16, 31, 2), (32, 1 << 20, 0)]
+from vllm_specstream.step_cost import StepCostTable
 
 
-def validate_schedule(schedule: Sequence[Sequence[int]], where: str = "schedule") -> Schedule:
-    """Sorted, non-overlapping ``(first, last, k)`` ranges starting at batch size 1."""
-    out: Schedule = []
-    for entry in schedule:
-        if len(entry) != 3:
-            raise ValueError(f"{where}: entry {entry!r} is not (first, last, k)")
-        first, last, k = (int(x) for x in entry)
-        if first < 1 or last < first or k < 0:
-            raise ValueError(f"{where}: entry {entry!r} needs 1 <= first <= last and k >= 0")
-        out.append((first, last, k))
-    out.sort()
-    if not out or out[0][0] != 1:
-        raise ValueError(f"{where}: the first range must start at batch size 1")
-    for (_, last, _), (first, _, _) in zip(out, out[1:]):
-        if first <= last:
-            raise ValueError(f"{where}: ranges overlap")
-    return out
+@dataclass
+class AcceptanceStats:
+    """Running estimate of ``P(draft j accepted | j drafted)`` for ``j = 1..num_positions``.
 
-
-def clamp_schedule(schedule: Schedule, k: int) -> Schedule:
-    """``schedule`` with every draft length capped at ``k``."""
-    return [(first, last, min(n, k)) for first, last, n in schedule]
-
-
-def draft_length(schedule: Schedule | None, batch_size: int, k: int) -> int:
-    """Drafts per request for a step of ``batch_size`` requests (at most ``k``).
-
-    Between ranges the previous range's length carries on; past the last range, its
-    length (vLLM's reading of the same schedule).
+    ``record_proposed`` notes the drafts handed to vLLM; the next step's
+    ``record_verified`` reads how many each request kept (its sampled tokens minus the
+    bonus token). Only totals per position are kept, so rows moving between steps do not
+    matter. Counts decay by ``decay`` at every step that drafted: old traffic fades.
     """
-    if not schedule:
-        return k
-    n = k
-    for first, _, length in schedule:
-        if batch_size < first:
-            break
-        n = length
-    return min(n, k)
 
+    num_positions: int
+    decay: float = 0.98
+    """Per step that drafted (a window of ~50 such steps)."""
+    prior_rate: float = 0.7
+    """Prior ``P(draft j accepted | drafted) = prior_rate ** j``."""
+    prior_weight: float = 4.0
+    """The prior counts as this many drafts at each position."""
+    proposed: np.ndarray = field(init=False)
+    accepted: np.ndarray = field(init=False)
+    pending: np.ndarray = field(init=False)
+    """Drafts at each position handed out last step, awaiting verification."""
 
-ENV_DRAFT_MIN_PROB = "SPECSTREAM_DRAFT_MIN_PROB"
+    def __post_init__(self) -> None:
+        self.proposed = np.zeros(self.num_positions)
+        self.accepted = np.zeros(self.num_positions)
+        self.pending = np.zeros(self.num_positions)
 
-
-def draft_min_prob_from_env() -> float:
-    """``$SPECSTREAM_DRAFT_MIN_PROB``, checked: a probability in ``[0, 1)``; 0 (the default)
-    turns the confidence rule off."""
-    text = os.environ.get(ENV_DRAFT_MIN_PROB, "").strip()
-    if not text:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(
-            f"{ENV_DRAFT_MIN_PROB}={text!r}: expected a probability in [0, 1) (0 turns the "
-            "confidence rule off)"
+    def _at_least(self, lengths: Sequence[int]) -> np.ndarray:
+        """How many of ``lengths`` are ``>= j``, for ``j = 1..num_positions``."""
+        hist = np.bincount(
+            np.minimum(lengths, self.num_positions), minlength=self.num_positions + 1
         )
-    return value
+        return hist[::-1].cumsum()[::-1][1:].astype(float)
+
+    def record_proposed(self, drafts: Sequence[Sequence[int]]) -> None:
+        self.pending = self._at_least([len(d) for d in drafts]) if drafts else self.pending * 0
+
+    def record_verified(self, sampled_token_ids: Sequence[Sequence[int]]) -> None:
+        if not self.pending.any():
+            return
+        self.forget(self.decay)
+        kept = self._at_least([max(len(s) - 1, 0) for s in sampled_token_ids])
+        self.proposed += self.pending
+        self.accepted += np.minimum(kept, self.pending)
+        self.pending = np.zeros(self.num_positions)
+
+    def forget(self, factor: float) -> None:
+        """Scale the evidence by ``factor`` (the prior keeps its weight)."""
+        self.proposed *= factor
+        self.accepted *= factor
+
+    def prior_rates(self) -> np.ndarray:
+        return self.prior_rate ** np.arange(1, self.num_positions + 1)
+
+    def accept_rates(self) -> np.ndarray:
+        """``P(draft j accepted)`` for ``j = 1..num_positions`` (non-increasing)."""
+        prior = self.prior_rates()
+        rates = (self.accepted + self.prior_weight * prior) / (self.proposed + self.prior_weight)
+        return np.minimum.accumulate(rates)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a step with ``k`` drafts yields per request, the bonus token included."""
+        return 1.0 + float(self.accept_rates()[:k].sum())
+
+
+@dataclass
+class DraftPolicy:
+    """Drafts per request for a step: the ``k <= k_max`` of highest expected speedup.
+
+    Where the acceptance seen so far says drafting does not pay but the prior says it
+    would, one step in ``probe_every`` still drafts (a probe) after halving the old
+    evidence, so that traffic which has become easier to draft for is noticed; a probe
+    costs one step's extra cost (at most a few tenths of a plain step) per ``probe_every``.
+    """
+
+    k_max: int
+    cost: StepCostTable
+    stats: AcceptanceStats
+    margin: float = 0.03
+    """A step with drafts must beat a plain one by this much (the tables' noise)."""
+    probe_every: int = 64
+    idle_steps: int = field(default=0, init=False)
+
+    def expected_speedup(self, batch_size: int, k: int, rates: np.ndarray | None = None) -> float:
+        rates = self.stats.accept_rates() if rates is None else rates
+        return (1.0 + float(rates[:k].sum())) / self.cost.ratio(batch_size, k)
+
+    def best_length(self, batch_size: int, rates: np.ndarray | None = None) -> int:
+        """The ``k`` of highest expected speedup under ``rates`` (default: the estimate);
+        0 unless it beats a plain step by ``margin``."""
+        rates = self.stats.accept_rates() if rates is None else rates
+        best_k, best = 0, 1.0 + self.margin
+        for k in range(1, self.k_max + 1):
+            speedup = self.expected_speedup(batch_size, k, rates)
+            if speedup > best:
+                best_k, best = k, speedup
+        return best_k
+
+    def draft_length(self, batch_size: int) -> int:
+        k = self.best_length(batch_size)
+        if k > 0:
+            self.idle_steps = 0
+            return k
+        prior_k = self.best_length(batch_size, self.stats.prior_rates())
+        if prior_k == 0:
+            return 0  # no acceptance would pay at this batch size: nothing to learn
+        self.idle_steps += 1
+        if self.idle_steps < self.probe_every:
+            return 0
+        self.idle_steps = 0
+        self.stats.forget(0.5)
+        return prior_k
+
+
+def lookup_length(lookup: Sequence[int], batch_size: int) -> int:
+    """Drafts at ``batch_size`` from a dense schedule (index = batch size; the last entry
+    holds beyond it)."""
+    return lookup[min(batch_size, len(lookup) - 1)]
 
 
 def confident_drafts(tokens: torch.Tensor, top_prob: torch.Tensor, min_prob: float) -> torch.Tensor:

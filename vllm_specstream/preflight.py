@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_specstream.config import MERGED_ARCHITECTURE, ConfigError
+from vllm_specstream.machine import cpu_class
 from vllm_specstream.merged_checkpoint import check_stream_tensors, read_specstream_section
 
 #: Any ``custom_class`` proposer of this package (``--spec-model vllm_specstream.proposer.X``;
@@ -83,3 +84,36 @@ def check_setup(
         )
     if local and str(load_format) in SAFETENSORS_LOAD_FORMATS:
         check_stream_tensors(model_dir, config, hf_config.hidden_size)
+
+
+def serves_specstream(hf_config, spec_method: str | None, spec_model: str | None) -> bool:
+    """Whether this engine serves a specstream checkpoint or speculates with the proposer."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    return MERGED_ARCHITECTURE in architectures or uses_specstream_proposer(spec_method, spec_model)
+
+
+def dtype_advice(resolved: str, requested: str, cls: str | None = None) -> tuple[str | None, str]:
+    """What to do about serving in ``resolved`` (vLLM's dtype from ``requested``, the
+    user's ``--dtype``) on a CPU of class ``cls`` (default: this CPU's): ``(dtype to build
+    the engine with instead or None, message or "")``.
+
+    Where the CPU has no native bf16 (AVX2, or AVX-512 without AVX512-BF16/AMX), oneDNN
+    emulates bf16 and a bf16 model runs slower than the same weights in fp32 (measured on an
+    AVX2-only CPU: specstream 0.67x of plain, plain itself slower than fp32). With
+    ``--dtype auto`` the engine is built in float32 (bf16 weights widen to fp32 exactly);
+    with an explicit ``--dtype bfloat16`` the user's choice stands and the message says how
+    to get the fast path.
+    """
+    cls = cls or cpu_class()
+    if resolved != "bfloat16" or cls == "avx512_bf16":
+        return None, ""
+    why = f"this CPU ({cls}) has no native bf16 matmul, so bf16 is emulated and slower than fp32"
+    if requested in ("auto", "", None):
+        return "float32", (
+            f"serving the bf16 checkpoint in float32: {why} (the bf16 weights widen to fp32 "
+            "exactly; pass --dtype bfloat16, LLM(dtype='bfloat16'), to keep bf16)"
+        )
+    return None, (
+        f"--dtype bfloat16 on a CPU without native bf16: {why}; pass --dtype float32 "
+        "(LLM(dtype='float32')) for the faster path"
+    )

@@ -16,13 +16,9 @@ from vllm_specstream.config import ConfigError
 from vllm_specstream.draft_watch import NoDraftWatch
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
-from vllm_specstream.policy import (
-    DEFAULT_SCHEDULE,
-    ENV_DRAFT_MIN_PROB,
-    clamp_schedule,
-    draft_length,
-    validate_schedule,
-)
+from vllm_specstream.options import DEFAULT_PLACEMENT, ENV_DRAFT_MIN_PROB
+from vllm_specstream.policy import AcceptanceStats, DraftPolicy, lookup_length
+from vllm_specstream.step_cost import table_for
 
 logger = init_logger(__name__)
 
@@ -92,33 +88,41 @@ def drafts_at(
 class SpecStreamProposer:
     """Speculative streaming drafts for vLLM's ``custom_class`` speculative method.
 
-    ``placement`` says where the model runs the streams (see
-    :mod:`vllm_specstream.model_executor.specstream`); this class uses the faster one on
-    CPU, the subclasses below pin either.
-
-    Draft length per step follows a batch-size schedule (:mod:`vllm_specstream.policy`):
-    vLLM's ``num_speculative_tokens_per_batch_size`` when set, else ``DEFAULT_SCHEDULE``;
-    with ``$SPECSTREAM_DRAFT_MIN_PROB`` the model also cuts each draft where the streams'
+    Where the model runs the streams (the placement) is the engine's option
+    (:mod:`vllm_specstream.options`: this class takes the faster one on CPU, the subclasses
+    below pin either). The draft length per step is the adaptive policy's
+    (:mod:`vllm_specstream.policy`: step cost on this CPU class against the acceptance seen
+    so far), or the user's ``num_speculative_tokens_per_batch_size``; with
+    ``$SPECSTREAM_DRAFT_MIN_PROB`` the model also cuts each draft where the streams'
     confidence runs out (-1 in its draft table).
     """
 
-    placement = "accepted"
+    #: Where the model runs the streams; the subclasses pin either (their class path in
+    #: ``speculative_config`` is the engine's option: :func:`vllm_specstream.options.placement_of`).
+    placement: str = DEFAULT_PLACEMENT
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
         self.k = spec.num_speculative_tokens
         user = getattr(spec, "num_speculative_tokens_per_batch_size", None)
-        self.schedule = clamp_schedule(
-            validate_schedule(user, "num_speculative_tokens_per_batch_size")
-            if user
-            else DEFAULT_SCHEDULE,
-            self.k,
-        )
-        logger.info(
-            "specstream drafts per request by batch size (first, last, k): %s%s",
-            self.schedule,
-            "" if user else " (default; set num_speculative_tokens_per_batch_size to change)",
-        )
+        self.policy: DraftPolicy | None = None
+        self.lookup: list[int] | None = None
+        if user:
+            from vllm_specstream.vllm_schedule import schedule_lookup
+
+            max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 0)
+            self.lookup = schedule_lookup(user, max(int(max_seqs or 0), 1), self.k)
+            logger.info("specstream drafts per request by batch size (first, last, k): %s", user)
+        else:
+            table, note = table_for()
+            self.policy = DraftPolicy(self.k, table, AcceptanceStats(self.k))
+            logger.info(
+                "specstream drafts up to %d per request, as many as pay on this CPU (step cost "
+                "table: %s%s; set num_speculative_tokens_per_batch_size to fix the schedule)",
+                self.k,
+                table.cpu_class,
+                f"; {note}" if note else "",
+            )
         self.target = None
         #: Stashes refused as not this step's (each one: a step without drafts).
         self.refused_stashes = 0
@@ -134,18 +138,30 @@ class SpecStreamProposer:
         target_model.set_placement(self.placement)
         self.target = target_model
 
+    def draft_length(self, batch_size: int) -> int:
+        """Drafts per request for a step of ``batch_size`` requests."""
+        if self.lookup is not None:
+            return lookup_length(self.lookup, batch_size)
+        return self.policy.draft_length(batch_size)
+
     def propose(
         self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
     ):
         stash = self.target.take_stash()
-        k = draft_length(self.schedule, len(sampled_token_ids), self.k)
+        if self.policy is not None:
+            self.policy.stats.record_verified(sampled_token_ids)
+        k = self.draft_length(len(sampled_token_ids))
+        self.target.window_streams = k  # the next forward's window streams (if placed there)
         if k == 0:
-            return [[] for _ in sampled_token_ids]
-        drafts, why_none = self._drafts(
-            stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
-        )
-        expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
-        self.watch.step(expected, any(drafts), why_none)
+            drafts = [[] for _ in sampled_token_ids]
+        else:
+            drafts, why_none = self._drafts(
+                stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
+            )
+            expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
+            self.watch.step(expected, any(drafts), why_none)
+        if self.policy is not None:
+            self.policy.stats.record_proposed(drafts)
         return drafts
 
     def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
@@ -180,7 +196,7 @@ class SpecStreamProposer:
             return no_drafts, "no request's last accepted token was in the last forward"
         table = stash.draft_table
         if self.placement == "accepted":
-            table = self.target.draft_at(stash, rows, indices)
+            table = self.target.draft_at(stash, rows, indices, k)
         drafts = drafts_at(len(sampled_token_ids), rows, indices, table, k)
         why_none = "the streams left no draft at any request's anchor"
         min_prob = getattr(self.target, "draft_min_prob", 0.0)

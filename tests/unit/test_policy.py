@@ -1,4 +1,5 @@
-"""The adaptive speculation policy: batch-size schedule, its validation, and the proposer."""
+"""The adaptive speculation policy (step cost against acceptance), the user's schedule read
+with vLLM's validator, the runtime options, and the proposer that applies them."""
 
 from types import SimpleNamespace
 
@@ -6,58 +7,152 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specstream import speculative_config
+from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
+from vllm_specstream.config import ConfigError
+from vllm_specstream.machine import cpu_class
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.stash import StreamStash
-from vllm_specstream.policy import (
-    DEFAULT_SCHEDULE,
+from vllm_specstream.options import (
     ENV_DRAFT_MIN_PROB,
-    clamp_schedule,
-    confident_drafts,
-    draft_length,
-    draft_min_prob_from_env,
-    validate_schedule,
+    ENV_STREAM_DTYPE,
+    placement_of,
+    read_options,
 )
+from vllm_specstream.policy import AcceptanceStats, DraftPolicy, confident_drafts, lookup_length
 from vllm_specstream.proposer import SpecStreamProposer, drafts_at
+from vllm_specstream.step_cost import TABLES, StepCostTable, table_for
 
-
-def test_draft_length_reads_ranges_gaps_and_tail_like_vllm():
-    schedule = [(1, 2, 4), (5, 8, 2), (9, 9, 1)]
-    got = [draft_length(schedule, b, k=3) for b in range(1, 12)]
-    # b=3,4 carry (1, 2)'s length (clamped to k=3); past the last range its length holds.
-    assert got == [3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1]
-    assert draft_length(None, 64, k=4) == 4
-
-
-def test_default_schedule_turns_drafting_off_under_load():
-    assert draft_length(DEFAULT_SCHEDULE, 1, 4) == 4
-    assert draft_length(DEFAULT_SCHEDULE, 16, 4) == 2
-    assert draft_length(DEFAULT_SCHEDULE, 32, 4) == 0
-    assert clamp_schedule(DEFAULT_SCHEDULE, 1)[0][2] == 1
-
-
-@pytest.mark.parametrize(
-    "bad, message",
-    [
-        ([(2, 4, 1)], "must start at batch size 1"),
-        ([(1, 4, 1), (3, 8, 1)], "overlap"),
-        ([(1, 4)], "is not \\(first, last, k\\)"),
-        ([(1, 0, 2)], "first <= last"),
-        ([], "must start at batch size 1"),
-    ],
+#: A made-up CPU: extra rows cheap at batch 1, dear at 32.
+TABLE = StepCostTable(
+    cpu_class="test",
+    batch_sizes=(1, 8, 32),
+    ratios={1: (1.1, 1.3, 1.8), 2: (1.2, 1.6, 2.6), 4: (1.3, 2.4, 4.4)},
+    source="test",
 )
-def test_validate_schedule_rejects(bad, message):
-    with pytest.raises(ValueError, match=message):
-        validate_schedule(bad, "num_speculative_tokens_per_batch_size")
+
+
+def test_step_cost_interpolates_in_batch_size_and_draft_length():
+    assert TABLE.ratio(1, 0) == 1.0
+    assert TABLE.ratio(1, 4) == pytest.approx(1.3)
+    assert TABLE.ratio(4, 1) == pytest.approx(1.1 + 3 / 7 * 0.2)  # between batch 1 and 8
+    assert TABLE.ratio(8, 3) == pytest.approx((1.6 + 2.4) / 2)  # between k = 2 and 4
+    assert TABLE.ratio(64, 1) == pytest.approx(1.8 + 32 / 24 * 0.5)  # the trend goes on
+    with pytest.raises(ValueError, match="one ratio per batch size"):
+        StepCostTable("x", (1, 2), {1: (1.0,)}, "x")
+
+
+def test_every_cpu_class_gets_a_table():
+    for cls in ("avx2", "avx512", "avx512_bf16"):
+        table, note = table_for(cls)
+        assert table.ratio(1, 1) > 1.0
+        assert (note == "") == (cls in TABLES)
+    assert cpu_class(frozenset({"avx2"})) == "avx2"
+    assert cpu_class(frozenset({"avx2", "avx512f"})) == "avx512"
+    assert cpu_class(frozenset({"avx512f", "amx_bf16"})) == "avx512_bf16"
+
+
+def test_acceptance_stats_count_what_vllm_kept():
+    stats = AcceptanceStats(num_positions=3, decay=1.0, prior_weight=1e-9)
+    stats.record_proposed([[1, 2, 3], [4, 5], [], [6, 7, 8]])
+    # Kept 2, 0, (none drafted), 3 drafts: sampled = kept + the bonus token.
+    stats.record_verified([[1, 2, 9], [9], [9], [6, 7, 8, 9]])
+    assert stats.proposed.tolist() == [3, 3, 2]
+    assert stats.accepted.tolist() == [2, 2, 1]
+    np.testing.assert_allclose(stats.accept_rates(), [2 / 3, 2 / 3, 1 / 2])
+    assert stats.expected_tokens(2) == pytest.approx(1 + 4 / 3)
+    # A step without drafts adds nothing.
+    stats.record_proposed([[], []])
+    stats.record_verified([[5], [6]])
+    assert stats.proposed.tolist() == [3, 3, 2]
+
+
+def test_acceptance_estimate_starts_at_the_prior_and_follows_the_evidence():
+    stats = AcceptanceStats(num_positions=2)
+    np.testing.assert_allclose(stats.accept_rates(), [0.7, 0.49])
+    for _ in range(50):  # every draft rejected
+        stats.record_proposed([[1, 2]])
+        stats.record_verified([[3]])
+    assert stats.accept_rates()[0] < 0.15
+    for _ in range(300):  # steps without drafts change nothing
+        stats.record_proposed([])
+        stats.record_verified([[3]])
+    assert stats.accept_rates()[0] < 0.15
+    for _ in range(50):  # then every draft kept: the old evidence fades
+        stats.record_proposed([[1, 2]])
+        stats.record_verified([[1, 2, 3]])
+    assert stats.accept_rates()[1] > 0.6
+
+
+def test_policy_drafts_what_pays_at_each_batch_size():
+    stats = AcceptanceStats(num_positions=4, prior_weight=1e-9)
+    stats.accepted[:] = [0.9, 0.8, 0.6, 0.4]
+    stats.proposed[:] = 1.0
+    policy = DraftPolicy(4, TABLE, stats)
+    # E = 1.9, 2.7, 3.3, 3.7 tokens for k = 1..4.
+    assert policy.draft_length(1) == 4  # 3.7 / 1.3
+    assert policy.draft_length(8) == 2  # 2.7 / 1.6 beats 3.3 / 2.0, 3.7 / 2.4, 1.9 / 1.3
+    assert policy.draft_length(32) == 1  # 1.9 / 1.8 = 1.06 beats 2.7 / 2.6
+    assert policy.draft_length(64) == 0  # nothing beats plain by the margin
+    stats.accepted[:] = [0.1, 0.0, 0.0, 0.0]  # a checkpoint that does not fit the traffic
+    got = [policy.draft_length(1) for _ in range(2 * policy.probe_every)]
+    # Off, but one step in probe_every probes with the prior's choice (old evidence halved).
+    assert got.count(0) == 2 * policy.probe_every - 2 and got[policy.probe_every - 1] == 4
+    assert stats.proposed[0] == 0.25
+
+
+def test_lookup_length_carries_the_last_entry():
+    assert [lookup_length([0, 4, 4, 2], b) for b in (1, 3, 99)] == [4, 2, 2]
+
+
+def test_user_schedule_is_read_by_vllms_validator():
+    from vllm_specstream.vllm_schedule import schedule_lookup
+
+    lookup = schedule_lookup([(1, 2, 4), (5, 8, 2), (9, 9, 1)], 12, 3)
+    # 3, 4 carry (1, 2)'s length (capped at k = 3); past the last range its length holds.
+    assert lookup[1:] == [3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1]
+    for bad, words in [([(2, 4, 1)], "start at 1"), ([(1, 4, 1), (3, 8, 1)], "non-overlapping")]:
+        with pytest.raises(ValueError, match=f"num_speculative_tokens_per_batch_size=.*{words}"):
+            schedule_lookup(bad, 8, 4)
 
 
 def test_speculative_config_adaptive_switch():
     assert "num_speculative_tokens_per_batch_size" not in speculative_config(3)
     fixed = speculative_config(3, adaptive=False)["num_speculative_tokens_per_batch_size"]
-    assert all(draft_length(fixed, b, 3) == 3 for b in (1, 16, 256))
+    assert fixed == [(1, 1 << 16, 3)]
     mine = [(1, 1, 2), (2, 64, 0)]
     cfg = speculative_config(3, adaptive=False, num_speculative_tokens_per_batch_size=mine)
     assert cfg["num_speculative_tokens_per_batch_size"] == mine
+
+
+def _vllm_config(k=4, schedule=None, model=PROPOSER):
+    spec = SimpleNamespace(
+        num_speculative_tokens=k, num_speculative_tokens_per_batch_size=schedule, model=model
+    )
+    return SimpleNamespace(
+        speculative_config=spec, scheduler_config=SimpleNamespace(max_num_seqs=64)
+    )
+
+
+def test_options_are_read_once_and_name_the_bad_setting():
+    env = {ENV_STREAM_DTYPE: "BFloat16", ENV_DRAFT_MIN_PROB: "0.25"}
+    options = read_options(_vllm_config(3, [(1, 4, 2)]), env)
+    assert options.stream_dtype == "bfloat16" and options.draft_min_prob == 0.25
+    assert options.schedule == ((1, 4, 2),) and options.num_speculative_tokens == 3
+    assert read_options(None, {}).draft_min_prob == 0.0  # speculation off: rule off
+    for name, bad in [
+        (ENV_STREAM_DTYPE, "fp8"),
+        (ENV_DRAFT_MIN_PROB, "1"),
+        (ENV_DRAFT_MIN_PROB, "high"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{name}='{bad}'"):
+            read_options(_vllm_config(), {name: bad})
+
+
+def test_placement_follows_the_proposer_class():
+    assert placement_of(PROPOSER) == "accepted"
+    assert {placement_of(p) for p in PLACEMENT_PROPOSERS.values()} == set(PLACEMENT_PROPOSERS)
+    with pytest.raises(ConfigError, match="not a specstream proposer"):
+        placement_of("my.Proposer")
 
 
 class _Target:
@@ -84,25 +179,36 @@ class _Target:
         stash, self.stash = self.stash, None
         return stash
 
-    def draft_at(self, stash, rows, indices):
+    def draft_at(self, stash, rows, indices, num_streams=0):
         return stash.draft_table
 
 
-def _propose(schedule, num_requests, k=4):
-    spec = SimpleNamespace(num_speculative_tokens=k, num_speculative_tokens_per_batch_size=schedule)
-    proposer = SpecStreamProposer(SimpleNamespace(speculative_config=spec))
+def _propose(proposer, num_requests):
     proposer.load_model(_Target(num_requests))
     # Each request: position 5 decoded, 1 token sampled -> 7 tokens, anchor at its own row.
     return proposer.propose([[1]] * num_requests, np.full(num_requests, 7), None)
 
 
-def test_proposer_follows_the_schedule():
-    assert _propose(None, 1) == [[11, 12, 13, 14]]  # default: full length alone
-    assert _propose(None, 16) == [[11, 12]] * 16  # default: shorter under load
-    assert _propose(None, 32) == [[]] * 32  # default: off under heavy load
-    assert _propose([(1, 1, 4), (2, 8, 2)], 3) == [[11, 12]] * 3
-    with pytest.raises(ValueError, match="overlap"):
-        _propose([(1, 4, 4), (2, 8, 2)], 1)
+def test_proposer_follows_the_users_schedule():
+    proposer = SpecStreamProposer(_vllm_config(4, [(1, 1, 4), (2, 8, 2), (9, 64, 0)]))
+    assert _propose(proposer, 1) == [[11, 12, 13, 14]]
+    assert _propose(proposer, 3) == [[11, 12]] * 3
+    assert _propose(proposer, 16) == [[]] * 16
+    with pytest.raises(ValueError, match="non-overlapping"):
+        SpecStreamProposer(_vllm_config(4, [(1, 4, 4), (2, 8, 2)]))
+
+
+def test_proposer_policy_learns_from_what_was_kept():
+    proposer = SpecStreamProposer(_vllm_config(4))
+    proposer.policy.cost = TABLE
+    assert _propose(proposer, 1) == [[11, 12, 13, 14]]  # the prior: drafting pays alone
+    assert proposer.target.window_streams == 4
+    drafted = []
+    for _ in range(60):  # vLLM rejects every draft: only the bonus token comes back
+        proposer.load_model(_Target(1))
+        drafted.append(proposer.propose([[1]], np.full(1, 7), None) != [[]])
+    assert drafted[:5] == [True] * 5 and not any(drafted[-30:])
+    assert proposer.target.window_streams == 0  # the window placement runs no streams
 
 
 def test_confident_drafts_cut_at_the_cumulative_probability():
@@ -118,14 +224,3 @@ def test_confident_drafts_cut_at_the_cumulative_probability():
     # The proposer hands out each row up to its first -1 (and at most k).
     table = torch.cat([torch.full((1, 4), -1), got])
     assert drafts_at(4, [0, 1, 2, 3], [1, 2, 3, 0], table, k=2) == [[11, 12], [], [31], []]
-
-
-def test_draft_min_prob_env(monkeypatch):
-    monkeypatch.delenv(ENV_DRAFT_MIN_PROB, raising=False)
-    assert draft_min_prob_from_env() == 0.0
-    monkeypatch.setenv(ENV_DRAFT_MIN_PROB, "0.25")
-    assert draft_min_prob_from_env() == 0.25
-    for bad in ("1", "-0.1", "high"):
-        monkeypatch.setenv(ENV_DRAFT_MIN_PROB, bad)
-        with pytest.raises(ValueError, match=f"{ENV_DRAFT_MIN_PROB}='{bad}'"):
-            draft_min_prob_from_env()

@@ -175,3 +175,46 @@ def test_stream_params_follow_the_config_shapes():
     params = {n: tuple(p.shape) for n, p in StreamParams(config, HIDDEN).named_parameters()}
     assert params == config.stream_tensor_shapes(HIDDEN)
     assert set(params) == {"stream_embeddings", "init_a", "init_b", "prune_a", "prune_b"}
+
+
+@pytest.mark.parametrize(
+    ("resolved", "requested", "cls", "dtype", "words"),
+    [
+        ("bfloat16", "auto", "avx2", "float32", "serving the bf16 checkpoint in float32"),
+        ("bfloat16", "auto", "avx512", "float32", "this CPU (avx512) has no native bf16"),
+        ("bfloat16", "bfloat16", "avx2", None, "pass --dtype float32"),
+        ("bfloat16", "auto", "avx512_bf16", None, ""),
+        ("float32", "auto", "avx2", None, ""),
+    ],
+)
+def test_dtype_advice_on_cpus_without_native_bf16(resolved, requested, cls, dtype, words):
+    from vllm_specstream.preflight import dtype_advice
+
+    got, message = dtype_advice(resolved, requested, cls)
+    assert got == dtype
+    assert (words in message) if words else message == ""
+
+
+def test_the_vllm_hook_serves_a_bf16_checkpoint_in_fp32_where_bf16_is_slow(tmp_path):
+    """``--dtype auto`` and a bf16 specstream checkpoint: float32 on a CPU without native
+    bf16 (this one, or a flag set that says so), unchanged where the CPU has it; other
+    models and an explicit dtype are left alone."""
+    pytest.importorskip("vllm")
+    from vllm_specstream.machine import cpu_class
+    from vllm_specstream.patches.engine_config_check import _advise_dtype
+
+    ckpt = make_checkpoint(tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    args = SimpleNamespace(model=str(ckpt), dtype="auto", speculative_config=None)
+    _advise_dtype(args)
+    assert args.dtype == ("auto" if cpu_class() == "avx512_bf16" else "float32")
+    explicit = SimpleNamespace(model=str(ckpt), dtype="bfloat16", speculative_config=None)
+    _advise_dtype(explicit)
+    assert explicit.dtype == "bfloat16"
+    (ckpt / "config.json").write_text(
+        json.dumps({**config, "torch_dtype": "bfloat16", "architectures": ["LlamaForCausalLM"]})
+    )
+    other = SimpleNamespace(model=str(ckpt), dtype="auto", speculative_config=None)
+    _advise_dtype(other)
+    assert other.dtype == "auto"

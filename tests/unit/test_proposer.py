@@ -110,7 +110,7 @@ class _Target:
         stash, self.stash = self.stash, None
         return stash
 
-    def draft_at(self, stash, rows, indices):
+    def draft_at(self, stash, rows, indices, num_streams=0):
         return stash.draft_table
 
 
@@ -220,10 +220,10 @@ def test_steps_without_drafting_do_not_warn(monkeypatch):
 
     warnings = _no_draft_warnings(monkeypatch)
     proposer = _proposer()
-    proposer.schedule = [(1, 1 << 20, 0)]
+    proposer.lookup = [0, 0]  # a user's schedule of no drafts at any batch size
     for _ in range(NO_DRAFT_STEPS + 1):
         proposer.propose(SAMPLED, NUM_TOKENS, _token_ids())
-    proposer.schedule = None
+    proposer.lookup = None
     for _ in range(NO_DRAFT_STEPS + 1):
         proposer.propose([[], []], NUM_TOKENS, _token_ids())
     assert warnings == []

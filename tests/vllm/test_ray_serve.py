@@ -19,6 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from engine_child import CHILD
 from helpers import free_port
 
 
@@ -30,25 +31,6 @@ def e2e(test):
 K = 3
 APP = "specstream"
 WORDS = ["select", "name", "from", "table", "where", "id", "count", "order", "by", "limit"]
-
-REFERENCE = """
-import json, sys
-from vllm import LLM, SamplingParams
-from vllm_specstream import speculative_config
-from vllm_specstream.cpu_env import cpu_engine_kwargs
-
-def main():
-    ckpt, k, requests = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-    llm = LLM(model=ckpt, speculative_config=speculative_config(k),
-              **cpu_engine_kwargs(dtype="float32", max_model_len=512,
-                                  kv_cache_memory_bytes=256 << 20))
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"]) for r in requests]
-    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
-    sys.stdout.write("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]) + "\\n")
-
-if __name__ == "__main__":
-    main()
-"""
 
 
 def make_requests(n: int) -> list[dict]:
@@ -93,12 +75,12 @@ def ray_run(tiny_merged, tmp_path_factory):
     what happened (the checks are the tests below)."""
     tmp = tmp_path_factory.mktemp("ray")
     http_requests, batch_requests = make_requests(24), make_requests(40)[24:]
-    script, log = tmp / "reference.py", tmp / "reference.log"
-    script.write_text(REFERENCE)
-    requests = json.dumps(http_requests + batch_requests)
+    log = tmp / "reference.log"
+    args = {"ckpt": str(tiny_merged), "k": K, "requests": http_requests + batch_requests}
     with open(log, "w") as log_file:
+        # Runs beside the deployment (the CPU is shared; the reference is one engine).
         reference = subprocess.Popen(
-            [sys.executable, str(script), str(tiny_merged), str(K), requests],
+            [sys.executable, CHILD, "reference", json.dumps(args)],
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )

@@ -1,15 +1,15 @@
 """Speculative streaming on real vLLM engines: lossless greedy, drafts flow, clear errors."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from engine_child import CHILD, run_child
 
-from vllm_specstream.model_executor.stream_weights import ENV_STREAM_DTYPE, bf16_gemm_available
-from vllm_specstream.policy import ENV_DRAFT_MIN_PROB
+from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
+from vllm_specstream.options import ENV_DRAFT_MIN_PROB, ENV_STREAM_DTYPE
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -47,39 +47,6 @@ def make_requests(n: int, seed: int) -> list[dict]:
     return requests
 
 
-SCRIPT = """
-import json, sys
-from vllm import LLM, SamplingParams
-from vllm_specstream import speculative_config
-from vllm_specstream.cpu_env import cpu_engine_kwargs
-
-def main():
-    ckpt, spec = sys.argv[1], int(sys.argv[2])
-    engine, requests = json.loads(sys.argv[3]), json.loads(sys.argv[4])
-    placement = sys.argv[5] if len(sys.argv) > 5 else None
-    kw = cpu_engine_kwargs(**{"dtype": "float32", "max_model_len": 1024, **engine})
-    if spec:
-        # Draft at every batch size: these runs check losslessness, not the policy.
-        kw["speculative_config"] = speculative_config(spec, placement=placement, adaptive=False)
-        kw["per_request_spec_decode_metrics"] = "summary"
-    llm = LLM(model=ckpt, disable_log_stats=False, **kw)
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
-              for r in requests]
-    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
-    metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()
-               if "spec_decode" in m.name or "preemptions" in m.name}
-    per_request = [o.outputs[0].spec_decode_metrics for o in outs]
-    # One write: vLLM's threads log to the same stdout while the main thread prints.
-    sys.stdout.write("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                             "text": [o.outputs[0].text for o in outs],
-                                             "metrics": metrics,
-                                             "per_request": [m.to_dict() if m else None
-                                                             for m in per_request]}) + "\\n")
-
-if __name__ == "__main__":
-    main()
-"""
-
 #: Engine settings of the lossless tests: defaults (prefix caching and chunked prefill on),
 #: and tiny prefill chunks with a KV cache of 256 tokens, so that long prompts are split
 #: over several steps, some steps hold only partial prefills, and requests are preempted
@@ -98,32 +65,20 @@ ENGINES = {
 }
 
 
-def run_engine(
-    tmp_path, ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None
-):
-    script = tmp_path / f"engine_{spec}.py"
-    script.write_text(SCRIPT)
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(ckpt),
-            str(spec),
-            json.dumps(engine),
-            json.dumps(requests),
-            *([placement] if placement else []),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **(env or {})},
+def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None):
+    result, out = run_child(
+        "generate",
+        env=env,
+        ckpt=str(ckpt),
+        k=spec,
+        engine=engine,
+        requests=requests,
+        placement=placement,
     )
-    assert out.returncode == 0, out.stderr[-6000:]
     # The proposer never met a stash of another step (the stash's anchor tokens are the
     # requests' last accepted tokens in every step of these runs).
     assert "refused the model's stream stash" not in out.stdout + out.stderr, out.stderr[-6000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return result
 
 
 PLACEMENTS = ("window", "accepted")
@@ -136,17 +91,15 @@ STREAM_DTYPES = {"window": "model", "accepted": "bfloat16"}
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINES))
-def runs(request, tiny_merged, tmp_path_factory):
+def runs(request, tiny_merged):
     """Plain and speculative runs (both stream placements) of the same 32 requests (one
     batch: vLLM mixes prefill and decode rows, and rows move as requests finish)."""
     requests = make_requests(32, seed=len(request.param))
-    tmp = tmp_path_factory.mktemp(request.param)
     engine = ENGINES[request.param]
-    plain = run_engine(tmp, tiny_merged, 0, engine, requests)
+    plain = run_engine(tiny_merged, 0, engine, requests)
     placements = ENGINE_PLACEMENTS[request.param]
     spec = {
         p: run_engine(
-            tmp,
             tiny_merged,
             3,
             engine,
@@ -217,9 +170,9 @@ def demo_runs(base_model_dir, tmp_path_factory):
         {"prompt": prompt_text(tok, to_example("sql", r).messages), "max_tokens": 64}
         for r in build_task("sql", "test", n=32)
     ]
-    plain = run_engine(tmp, ckpt, 0, {}, requests)
-    spec = run_engine(tmp, ckpt, 4, {}, requests)
-    return plain, spec, run_engine(tmp, ckpt, 4, {}, requests, env={ENV_DRAFT_MIN_PROB: "0.5"})
+    plain = run_engine(ckpt, 0, {}, requests)
+    spec = run_engine(ckpt, 4, {}, requests)
+    return plain, spec, run_engine(ckpt, 4, {}, requests, env={ENV_DRAFT_MIN_PROB: "0.5"})
 
 
 def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
@@ -269,136 +222,86 @@ def test_per_request_metrics_add_up_to_the_engine_counters(demo_runs):
     assert sum(m["mean_acceptance_length"] > 1.5 for m in per_request) >= len(per_request) // 2
 
 
-PROBE = """
-import json, sys
-from vllm import LLM, SamplingParams
-from vllm_specstream import speculative_config
-from vllm_specstream.cpu_env import cpu_engine_kwargs
-from vllm_specstream.model_executor.specstream import stash_snapshot
-
-def main():
-    ckpt, max_tokens = sys.argv[1], json.loads(sys.argv[2])
-    prompts, placement = json.loads(sys.argv[3]), sys.argv[4]
-    llm = LLM(model=ckpt, speculative_config=speculative_config(3, placement=placement),
-              disable_log_stats=False, **cpu_engine_kwargs(dtype="float32", max_model_len=1024))
-    results = []
-    for n in max_tokens:
-        for prompt in prompts:  # one request at a time: the last forward is that request's
-            params = SamplingParams(temperature=0.0, max_tokens=n)
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            results.append({"max_tokens": n, "prompt_ids": list(out.prompt_token_ids),
-                            "tokens": list(out.outputs[0].token_ids),
-                            "stash": llm.apply_model(stash_snapshot)[0]})
-    # The default policy: no drafts while 32 requests run together, drafts for one alone.
-    drafts = []
-    for batch in (32, 1):
-        before = _drafts(llm)
-        llm.generate(prompts[:1] * batch, SamplingParams(max_tokens=30, ignore_eos=True),
-                     use_tqdm=False)
-        drafts.append(_drafts(llm) - before)
-    sys.stdout.write("RESULT " + json.dumps({"probes": results, "policy_drafts": drafts}) + "\\n")
-
-def _drafts(llm):
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
-
-if __name__ == "__main__":
-    main()
-"""
-
-
 @pytest.mark.parametrize(
     ("placement", "stream_dtype"),
     [("window", "model"), ("accepted", "model"), ("accepted", "bfloat16")],
 )
-def test_stream_drafts_equal_the_training_implementation(
-    tiny_merged, tmp_path, placement, stream_dtype
-):
+def test_stream_drafts_equal_the_training_implementation(tiny_merged, placement, stream_dtype):
     """The streams vLLM computes over its paged cache give the same top-1 tokens as the
     training wrapper on the same checkpoint, at every anchor of the last forward: the
     prefill's last token (max_tokens=1) and a decode window with rejected drafts (9); with
     placement "accepted" the one anchor is the last accepted token. With the stream pass in
     bf16 (``SPECSTREAM_STREAM_DTYPE``) the drafts may differ where the top-2 logits are
     close: at least 80% agree; on a CPU without a bf16 GEMM the engine says it falls back
-    and the drafts are exact. The same engine checks the default adaptive policy: no
-    drafts at batch 16, drafts at batch 1."""
-    import torch
-
+    and the drafts are exact. The same engine checks a user's batch-size schedule: with 2
+    drafts per request only streams 1-2 run (and equal streams 1-2 of all), none at batch
+    32, drafts at batch 1."""
     from vllm_specstream.training.checkpoint import load_merged
 
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
     prompts = [r["prompt"] for r in make_requests(3, seed=1)]
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(tiny_merged),
-            "[1, 9]",
-            json.dumps(prompts),
-            placement,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={
-            **os.environ,
-            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            ENV_STREAM_DTYPE: stream_dtype,
-        },
+    result, out = run_child(
+        "probe",
+        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", ENV_STREAM_DTYPE: stream_dtype},
+        ckpt=str(tiny_merged),
+        max_tokens=[1, 9],
+        prompts=prompts,
+        placement=placement,
     )
-    assert out.returncode == 0, out.stderr[-6000:]
     log = out.stdout + out.stderr
     assert "refused the model's stream stash" not in log, log[-4000:]
     packed = stream_dtype == "bfloat16" and bf16_gemm_available()
     if stream_dtype == "bfloat16":
         said = "stream pass in bf16" if packed else "bfloat16 cannot be honoured"
         assert said in log, log[-4000:]
-    result = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    # Default adaptive policy (policy.DEFAULT_SCHEDULE): 32 requests together draft nothing
-    # (at every step that would be ~32 x 29 drafts; the engine may run its first steps
-    # before all 32 requests have arrived, and those may draft), one request alone drafts.
-    assert result["policy_drafts"][0] <= 4 * 32 and result["policy_drafts"][1] >= 10, result
-    results = result["probes"]
+    # The user's schedule, read by the proposer as vLLM reads it: 32 requests together draft
+    # nothing (the engine may run its first steps before all 32 requests have arrived, and
+    # those may draft), one request alone drafts.
+    assert result["schedule_drafts"][0] <= 4 * 32 and result["schedule_drafts"][1] >= 10, result
     model = load_merged(tiny_merged)
     checked = {1: 0, 9: 0}
     agree = total = 0
-    for result in results:
-        stash = result["stash"]
-        positions, ids, table = stash["positions"], stash["input_ids"], stash["table"]
-        assert stash["qsl"] == [0, len(ids)]  # the request's own forward, alone
-        seq = result["prompt_ids"] + result["tokens"]
-        # Tokens before the window are known; inside it, the scheduled ones (drafts included).
-        known = seq[: positions[0]] + ids
-        for i, t in enumerate(positions):
-            if table[i][0] < 0:
-                continue
-            with torch.no_grad():
-                ref = model(torch.tensor([known[: t + 1]]), anchors=torch.tensor([[t]]))
-                want = model.lm_head(ref.stream_hidden[0, 0]).argmax(-1).tolist()
+    for probe in result["probes"]:
+        assert len(probe["stash"]["qsl"]) == 2  # the request's own forward, alone
+        for row, want in _stash_rows_and_training_drafts(model, probe):
             if not packed:
-                assert table[i] == want, (result["max_tokens"], i, t)
-            agree += sum(x == y for x, y in zip(table[i], want))
+                assert row == want, (probe["max_tokens"], row, want)
+            agree += sum(x == y for x, y in zip(row, want))
             total += len(want)
-            checked[result["max_tokens"]] += 1
+            checked[probe["max_tokens"]] += 1
     # Every prompt has its anchor; a decode window has several unless only one is run.
     assert checked[1] >= 3 and checked[9] >= (3 if placement == "accepted" else 4), checked
     assert agree >= 0.8 * total, (agree, total)
+    # Two requests, 2 drafts each: only streams 1-2 ran, and they are streams 1-2 of all.
+    assert len(result["pair"]["stash"]["qsl"]) == 3, result["pair"]["stash"]
+    pair = list(_stash_rows_and_training_drafts(model, result["pair"]))
+    assert len(pair) >= 2 and all(row[2] == -1 for row, _ in pair), pair
+    if not packed:
+        assert all(row[:2] == want[:2] for row, want in pair), pair
 
 
-ERROR_SCRIPT = """
-import sys
-from vllm import LLM
-from vllm_specstream import speculative_config
-from vllm_specstream.cpu_env import cpu_engine_kwargs
+def _stash_rows_and_training_drafts(model, probe):
+    """``(draft table row, the training wrapper's stream top-1 tokens)`` at every anchor of
+    the stash of ``probe`` (rows without drafts are skipped)."""
+    import torch
 
-def main():
-    ckpt, k = sys.argv[1], int(sys.argv[2])
-    LLM(model=ckpt, speculative_config=speculative_config(k),
-        **cpu_engine_kwargs(dtype="float32", max_model_len=512))
-
-if __name__ == "__main__":
-    main()
-"""
+    stash = probe["stash"]
+    qsl, positions, ids, table = (
+        stash["qsl"],
+        stash["positions"],
+        stash["input_ids"],
+        stash["table"],
+    )
+    for r in range(len(qsl) - 1):
+        seq = probe["prompt_ids"][r] + probe["tokens"][r]
+        # Tokens before the window are known; inside it, the scheduled ones (drafts included).
+        known = seq[: positions[qsl[r]]] + ids[qsl[r] : qsl[r + 1]]
+        for i in range(qsl[r], qsl[r + 1]):
+            if table[i][0] < 0:
+                continue
+            t = positions[i]
+            with torch.no_grad():
+                ref = model(torch.tensor([known[: t + 1]]), anchors=torch.tensor([[t]]))
+                yield table[i], model.lm_head(ref.stream_hidden[0, 0]).argmax(-1).tolist()
 
 
 def _copy(ckpt: Path, dest: Path) -> Path:
@@ -465,15 +368,13 @@ BROKEN_SETUPS = {
 }
 
 
-def last_line_of_failed_start(tmp_path, ckpt: Path, k: int, front_end: str) -> tuple[str, str]:
+def last_line_of_failed_start(ckpt: Path, k: int, front_end: str) -> tuple[str, str]:
     """Start ``ckpt`` as a user would (``LLM(...)`` or ``vllm serve``); it must fail. Returns
     the last non-empty line of the combined output, and the whole output."""
     from helpers import free_port, venv_script
 
     if front_end == "LLM":
-        script = tmp_path / "err.py"
-        script.write_text(ERROR_SCRIPT)
-        cmd = [sys.executable, str(script), str(ckpt), str(k)]
+        cmd = [sys.executable, CHILD, "fail_to_start", json.dumps({"ckpt": str(ckpt), "k": k})]
     else:
         cmd = [
             venv_script("vllm"),
@@ -507,31 +408,10 @@ def test_broken_setup_names_the_cause_last(tiny_merged, tmp_path, setup, front_e
     """Each broken setup fails in the front-end, before vLLM spawns an engine, and the last
     line a user sees is the error naming the file, field or flag and the fix."""
     make, k, message = BROKEN_SETUPS[setup]
-    last, log = last_line_of_failed_start(tmp_path, make(tiny_merged, tmp_path), k, front_end)
+    last, log = last_line_of_failed_start(make(tiny_merged, tmp_path), k, front_end)
     assert message in last, log[-4000:]
     assert last.startswith("vllm_specstream.config.ConfigError: "), last
     assert "EngineCore" not in log, log[-4000:]  # no engine process was started
-
-
-SAMPLE_SCRIPT = """
-import json, sys
-from vllm import LLM, SamplingParams
-from vllm_specstream import speculative_config
-from vllm_specstream.cpu_env import cpu_engine_kwargs
-
-def main():
-    ckpt, spec, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    kw = cpu_engine_kwargs(dtype="float32", max_model_len=256)
-    if spec:
-        kw["speculative_config"] = speculative_config(spec, adaptive=False)
-    llm = LLM(model=ckpt, **kw)
-    params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
-    outs = llm.generate(["The colour of the sky is"] * n, params, use_tqdm=False)
-    sys.stdout.write("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]) + "\\n")
-
-if __name__ == "__main__":
-    main()
-"""
 
 
 def chi2_homogeneity_pvalue(a: list[int], b: list[int], min_count: int = 10) -> float:
@@ -569,26 +449,13 @@ def test_chi2_helper_detects_a_shift():
     assert chi2_homogeneity_pvalue(*shifted) < 1e-6
 
 
-def test_sampling_with_speculation_matches_plain_sampling(tiny_merged, tmp_path):
+def test_sampling_with_speculation_matches_plain_sampling(tiny_merged):
     """Temperature 0.8: the 2nd and 3rd generated tokens (the ones that pass through
     rejection sampling with stream drafts) follow the same distribution as plain sampling.
     Two-sample chi-square tests at alpha = 1e-3 each: false-alarm rate <= 0.2% per run.
     Without the expand-kernel fix the temperatures are garbage and p is ~0."""
-    script = tmp_path / "sample.py"
-    script.write_text(SAMPLE_SCRIPT)
     n = 800
-    runs = {}
-    for spec in (0, 3):
-        out = subprocess.run(
-            [sys.executable, str(script), str(tiny_merged), str(spec), str(n)],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert out.returncode == 0, out.stderr[-6000:]
-        runs[spec] = json.loads(
-            next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:]
-        )
+    runs = {spec: run_child("sample", ckpt=str(tiny_merged), k=spec, n=n)[0] for spec in (0, 3)}
     for pos in (1, 2):
         plain = [t[pos] for t in runs[0]]
         spec = [t[pos] for t in runs[3]]
@@ -596,26 +463,26 @@ def test_sampling_with_speculation_matches_plain_sampling(tiny_merged, tmp_path)
         assert p > 1e-3, (pos, p)
 
 
-def test_qwen2_base_is_served_losslessly(tiny_merged_qwen2, tmp_path):
+def test_qwen2_base_is_served_losslessly(tiny_merged_qwen2):
     """A Qwen2 base (biased q/k/v) gets its own model class; greedy output is unchanged by
     speculation and the streams' drafts are accepted."""
     cfg = json.loads((tiny_merged_qwen2 / "config.json").read_text())
     assert cfg["specstream"]["base_architectures"] == ["Qwen2ForCausalLM"]
     requests = make_requests(12, seed=4)
-    plain = run_engine(tmp_path, tiny_merged_qwen2, 0, {}, requests)
-    spec = run_engine(tmp_path, tiny_merged_qwen2, 3, {}, requests)
+    plain = run_engine(tiny_merged_qwen2, 0, {}, requests)
+    spec = run_engine(tiny_merged_qwen2, 3, {}, requests)
     assert spec["tokens"] == plain["tokens"]
     assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0
 
 
-def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, tmp_path, monkeypatch):
+def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, monkeypatch):
     """TP 3 (multiprocessing executor): each rank runs the streams on its head shard and the
     vocab-parallel LM head is gathered; greedy output equals one rank's, with and without
     speculation."""
     requests = make_requests(8, seed=3)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 3 ranks on a 2-core machine
     tp3 = {"tensor_parallel_size": 3, "gpu_memory_utilization": 0.2}
-    single = run_engine(tmp_path, tiny_merged_tp3, 0, {}, requests)
-    spec_tp3 = run_engine(tmp_path, tiny_merged_tp3, 3, tp3, requests)
+    single = run_engine(tiny_merged_tp3, 0, {}, requests)
+    spec_tp3 = run_engine(tiny_merged_tp3, 3, tp3, requests)
     assert spec_tp3["tokens"] == single["tokens"]
     assert spec_tp3["metrics"]["vllm:spec_decode_num_drafts"] > 0

@@ -4,16 +4,14 @@ them, and the choice between bf16 copies and vLLM's modules follows the rules.""
 import pytest
 import torch
 
-from vllm_specstream.config import ConfigError
 from vllm_specstream.model_executor.stream_weights import (
-    ENV_STREAM_DTYPE,
     PackedLinear,
     bf16_gemm_available,
     build_stream_weights,
     onednn_available,
     packed_reason,
-    stream_dtype_mode,
 )
+from vllm_specstream.options import ENV_STREAM_DTYPE
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="vLLM without oneDNN GEMM")
 needs_bf16_gemm = pytest.mark.skipif(
@@ -51,16 +49,6 @@ def test_packed_linear_matches_fp32_linear_and_owns_its_copy(bias):
     torch.testing.assert_close(lin(x), got)
 
 
-def test_stream_dtype_mode_reads_and_checks_the_variable(monkeypatch):
-    monkeypatch.delenv(ENV_STREAM_DTYPE, raising=False)
-    assert stream_dtype_mode() == "auto"
-    monkeypatch.setenv(ENV_STREAM_DTYPE, "BFloat16")
-    assert stream_dtype_mode() == "bfloat16"
-    monkeypatch.setenv(ENV_STREAM_DTYPE, "fp8")
-    with pytest.raises(ConfigError, match=f"{ENV_STREAM_DTYPE}='fp8'.*auto"):
-        stream_dtype_mode()
-
-
 def test_packed_reason_rules(monkeypatch):
     import vllm_specstream.model_executor.stream_weights as sw
 
@@ -90,7 +78,6 @@ def test_forced_bf16_falls_back_with_one_warning_where_it_cannot_run(monkeypatch
 
     import vllm_specstream.model_executor.stream_weights as sw
 
-    monkeypatch.setenv(ENV_STREAM_DTYPE, "bfloat16")
     monkeypatch.setattr(sw, "onednn_available", lambda: True)
     monkeypatch.setattr(sw, "bf16_gemm_available", lambda: False)
     layer = torch.nn.Module()
@@ -99,6 +86,7 @@ def test_forced_bf16_falls_back_with_one_warning_where_it_cannot_run(monkeypatch
         got = build_stream_weights(
             [layer],
             torch.randn(8, 4),
+            mode="bfloat16",
             platform_is_cpu=True,
             model_dtype=torch.float32,
             tp_size=1,

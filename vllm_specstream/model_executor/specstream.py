@@ -46,7 +46,8 @@ from vllm_specstream.model_executor.stream_forward import (
     window_anchors,
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
-from vllm_specstream.policy import ENV_DRAFT_MIN_PROB, confident_drafts, draft_min_prob_from_env
+from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
+from vllm_specstream.policy import confident_drafts
 from vllm_specstream.preflight import check_platform
 
 logger = init_logger(__name__)
@@ -63,8 +64,9 @@ class SpecStreamMixin:
         hf_config = vllm_config.model_config.hf_config
         self.spec_config = read_specstream_section(hf_config)
         self.specstream = StreamParams(self.spec_config, hf_config.hidden_size)
-        spec = vllm_config.speculative_config
-        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        #: The engine's runtime settings, read once (the proposer reads them from here).
+        self.options = read_options(vllm_config)
+        self.num_speculative_tokens = self.options.num_speculative_tokens
         if self.num_speculative_tokens > 0:
             # Also checked in the front-end (preflight); here for engines built without it.
             check_platform(current_platform)
@@ -83,7 +85,7 @@ class SpecStreamMixin:
         self._stream_weights: StreamWeights | None = None
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._model_dtype = vllm_config.model_config.dtype
-        self.draft_min_prob = draft_min_prob_from_env() if self.num_speculative_tokens else 0.0
+        self.draft_min_prob = self.options.draft_min_prob
         if self.draft_min_prob > 0:
             logger.info(
                 "specstream drafts stop below cumulative stream probability %g (%s)",
@@ -98,7 +100,10 @@ class SpecStreamMixin:
         #: Counts forwards with speculation on; tags each stash (see ``stash.py``).
         self.forward_step = 0
         #: Set by the proposer in ``load_model``.
-        self.placement = "window"
+        self.placement = self.options.placement
+        #: Streams the window placement runs (the proposer's last draft length: stream ``j``
+        #: sees streams ``<= j`` only, so fewer streams give the same first drafts).
+        self.window_streams = self.spec_config.num_streams
 
     def set_placement(self, placement: str) -> None:
         if placement not in PLACEMENTS:
@@ -134,6 +139,7 @@ class SpecStreamMixin:
             self._stream_weights = build_stream_weights(
                 list(self.model.layers)[self.first_msa_layer :],
                 self._lm_head_weight(),
+                mode=self.options.stream_dtype,
                 platform_is_cpu=current_platform.is_cpu(),
                 model_dtype=self._model_dtype,
                 tp_size=self._tp_size,
@@ -174,9 +180,12 @@ class SpecStreamMixin:
         stash = StreamStash(self.forward_step, batch, ids, table)
         self.stash = self.last_stash = stash
         self.no_stash_reason = None
-        if self.placement == "window":
+        if self.placement == "window" and self.window_streams > 0:
             self._run_streams(
-                stash, msa_input, window_anchors(batch, self.num_speculative_tokens + 1)
+                stash,
+                msa_input,
+                window_anchors(batch, self.num_speculative_tokens + 1),
+                self.window_streams,
             )
         else:
             stash.msa_input = msa_input
@@ -188,19 +197,24 @@ class SpecStreamMixin:
             self.no_stash_reason = "no forward ran since the last proposal"
         return stash
 
-    def draft_at(self, stash: StreamStash, rows: list[int], indices: list[int]) -> torch.Tensor:
-        """Placement ``"accepted"``: runs the streams at flat token ``indices[i]`` of request
-        row ``rows[i]`` of the forward that made ``stash``; returns its draft table. Every
-        tensor-parallel rank must call it with the same arguments (the layers all-reduce)."""
+    def draft_at(
+        self, stash: StreamStash, rows: list[int], indices: list[int], num_streams: int = 0
+    ) -> torch.Tensor:
+        """Placement ``"accepted"``: runs the first ``num_streams`` streams (0: all) at flat
+        token ``indices[i]`` of request row ``rows[i]`` of the forward that made ``stash``;
+        returns its draft table. Every tensor-parallel rank must call it with the same
+        arguments (the layers all-reduce)."""
         if stash.msa_input is not None:
-            self._run_streams(stash, stash.msa_input, accepted_anchors(stash.batch, rows, indices))
+            anchors = accepted_anchors(stash.batch, rows, indices)
+            self._run_streams(stash, stash.msa_input, anchors, num_streams)
             stash.msa_input = None
         return stash.draft_table
 
     def _run_streams(
-        self, stash: StreamStash, msa_input: torch.Tensor, anchors: torch.Tensor
+        self, stash: StreamStash, msa_input: torch.Tensor, anchors: torch.Tensor, num_streams: int
     ) -> None:
-        """Stream top-1 tokens at ``anchors`` (``[R, A]``) into ``stash``'s draft table."""
+        """Top-1 tokens of the first ``num_streams`` streams (0: all) at ``anchors``
+        (``[R, A]``) into ``stash``'s draft table (the other columns stay -1)."""
         valid = anchors >= 0
         if not bool(valid.any()):
             return  # e.g. a step of partial prefills only: no request drafts
@@ -208,7 +222,7 @@ class SpecStreamMixin:
             self._runner = StreamRunner(
                 self, self.specstream, self.spec_config, self._stream_weights
             )
-        hidden = self._runner(msa_input, stash.batch, anchors)
+        hidden = self._runner(msa_input, stash.batch, anchors, num_streams)
         rows = hidden[valid].reshape(-1, hidden.shape[-1])
         head = self._runner.weights.lm_head
         # Any positive logit scale or soft cap keeps the argmax of the plain projection (the
@@ -217,13 +231,13 @@ class SpecStreamMixin:
         if logits is None:  # tensor-parallel ranks other than the first
             stash.drafting_rank = False
             return
-        g = self.spec_config.num_streams
+        g = hidden.shape[2]
         if self.draft_min_prob > 0:
             top_prob, tokens = logits.float().softmax(dim=-1).max(dim=-1)
             tokens = confident_drafts(tokens.view(-1, g), top_prob.view(-1, g), self.draft_min_prob)
         else:
             tokens = logits.argmax(dim=-1).view(-1, g)
-        stash.draft_table[anchors[valid]] = tokens
+        stash.draft_table[anchors[valid], :g] = tokens
 
 
 class SpecStreamLlamaForCausalLM(SpecStreamMixin, LlamaForCausalLM):

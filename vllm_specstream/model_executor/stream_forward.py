@@ -130,15 +130,19 @@ class StreamRunner:
         return k, v
 
     @torch.no_grad()
-    def __call__(self, msa_input: Tensor, batch: ForwardBatch, anchors: Tensor) -> Tensor:
+    def __call__(
+        self, msa_input: Tensor, batch: ForwardBatch, anchors: Tensor, num_streams: int = 0
+    ) -> Tensor:
         """Stream hidden states after the final norm, ``[R, A, G, h]``, at ``anchors``
-        (``[R, A]`` flat token indices into ``msa_input``, -1 pads)."""
+        (``[R, A]`` flat token indices into ``msa_input``, -1 pads), for the first
+        ``num_streams`` streams (0: all). Stream ``j`` attends to streams ``<= j`` only, so
+        the first ``G`` streams alone are exactly the first ``G`` of all."""
         valid = anchors >= 0
         idx = anchors.clamp(min=0)
-        g = self.config.num_streams
+        g = min(num_streams or self.config.num_streams, self.config.num_streams)
         r, a = anchors.shape
         p = self.params
-        s = init_streams(msa_input[idx], p.stream_embeddings, p.init_a, p.init_b)  # [R, A, G, h]
+        s = init_streams(msa_input[idx], p.stream_embeddings[:g], p.init_a, p.init_b)
         shape = s.shape
         s = s.reshape(-1, shape[-1])  # rows (request, anchor, stream)
         anchor_pos = batch.positions[idx].long()  # [R, A]

@@ -6,7 +6,7 @@ On a CPU with native bf16 dot products (AVX512-BF16, AMX) an fp32 checkpoint's s
 then reads half the bytes of the top ``num_msa_layers`` layers and of the LM head: the LM head
 over 4 stream rows drops from ~4.6 to ~1.9 ms on a Zen 4 core.
 
-``SPECSTREAM_STREAM_DTYPE`` chooses (read in the engine's worker at model load):
+``SPECSTREAM_STREAM_DTYPE`` (:class:`vllm_specstream.options.SpecStreamOptions`) chooses:
 
 * ``auto`` (default): bf16 copies when the platform is CPU, the model is fp32, the CPU has
   native bf16 and the model is not tensor-parallel; vLLM's modules otherwise.
@@ -23,7 +23,6 @@ change.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -31,27 +30,13 @@ from functools import cache
 import torch
 from torch import nn
 
-from vllm_specstream.config import ConfigError
 from vllm_specstream.logger import init_logger
+from vllm_specstream.options import ENV_STREAM_DTYPE
 
 logger = init_logger(__name__)
 
 Tensor = torch.Tensor
 Matmul = Callable[[Tensor], Tensor]
-
-ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
-STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
-
-
-def stream_dtype_mode() -> str:
-    """``$SPECSTREAM_STREAM_DTYPE``, checked (default ``auto``)."""
-    mode = os.environ.get(ENV_STREAM_DTYPE, "auto").strip().lower() or "auto"
-    if mode not in STREAM_DTYPE_MODES:
-        raise ConfigError(
-            f"{ENV_STREAM_DTYPE}={os.environ[ENV_STREAM_DTYPE]!r}: choose one of "
-            f"{list(STREAM_DTYPE_MODES)}"
-        )
-    return mode
 
 
 def native_bf16_cpu() -> bool:
@@ -188,13 +173,13 @@ def build_stream_weights(
     layers: list[nn.Module],
     lm_head_weight: Tensor | None,
     *,
+    mode: str,
     platform_is_cpu: bool,
     model_dtype: torch.dtype,
     tp_size: int,
 ) -> StreamWeights | None:
-    """bf16 copies for the stream pass if ``$SPECSTREAM_STREAM_DTYPE`` and the machine call
-    for them and the weights are plain tensors; ``None`` keeps vLLM's modules."""
-    mode = stream_dtype_mode()
+    """bf16 copies for the stream pass if ``mode`` (``$SPECSTREAM_STREAM_DTYPE``) and the
+    machine call for them and the weights are plain tensors; ``None`` keeps vLLM's modules."""
     if not all(hasattr(x, "self_attn") for x in layers):
         return None  # a pipeline-parallel rank without the MSA layers runs no streams
     reason = packed_reason(mode, platform_is_cpu, model_dtype, tp_size)

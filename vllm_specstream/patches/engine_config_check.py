@@ -5,9 +5,12 @@ vLLM 0.32 builds and validates ``VllmConfig`` in the front-end process
 ``AsyncLLM.from_engine_args``) and only then starts the engine core and its workers, where
 the model is built and the ``custom_class`` proposer imported. Errors raised there reach the
 user inside several processes' tracebacks; raised here they are the last line printed. The
-wrapper below lets vLLM build the config unchanged, then runs
-:func:`vllm_specstream.preflight.check_setup` on it. ``register()`` applies it in every
-process; only the front-end builds an engine config.
+wrapper below lets vLLM build the config, then runs
+:func:`vllm_specstream.preflight.check_setup` on it. For a specstream engine on a CPU
+without native bf16 it also acts on the dtype (:func:`vllm_specstream.preflight.dtype_advice`):
+with ``--dtype auto`` and a bf16 checkpoint the config is built in float32 (said once);
+with an explicit ``--dtype bfloat16``, a warning with the fix. ``register()`` applies it in
+every process; only the front-end builds an engine config.
 """
 
 from __future__ import annotations
@@ -37,13 +40,67 @@ def check_vllm_config(vllm_config) -> None:
     )
 
 
+def _checkpoint_dtype(engine_args) -> str | None:
+    """``torch_dtype`` of a local checkpoint's ``config.json`` if it is a specstream
+    checkpoint or the speculative config names this package's proposer (else None)."""
+    import json
+    from pathlib import Path
+
+    from vllm_specstream.preflight import serves_specstream
+
+    config_file = Path(str(engine_args.model)) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    spec = engine_args.speculative_config
+    spec = spec if isinstance(spec, dict) else {}
+    hf = type("HF", (), {"architectures": config.get("architectures")})
+    if not serves_specstream(hf, spec.get("method"), spec.get("model")):
+        return None
+    return str(config.get("torch_dtype") or config.get("dtype") or "")
+
+
+def _advise_dtype(engine_args, vllm_config=None) -> None:
+    """Before the config is built (``vllm_config`` None): ``--dtype auto`` with a bf16
+    specstream checkpoint on a CPU without native bf16 becomes float32, said once. After:
+    an explicit bf16 there gets a warning with the fix."""
+    from vllm.platforms import current_platform
+
+    from vllm_specstream.logger import init_logger
+    from vllm_specstream.preflight import dtype_advice, serves_specstream
+
+    if not current_platform.is_cpu():
+        return
+    requested = str(engine_args.dtype)
+    if vllm_config is None:
+        if requested != "auto" or _checkpoint_dtype(engine_args) != "bfloat16":
+            return
+        dtype, message = dtype_advice("bfloat16", requested)
+    else:
+        spec = vllm_config.speculative_config
+        model_config = vllm_config.model_config
+        if requested == "auto" or not serves_specstream(
+            model_config.hf_config, getattr(spec, "method", None), getattr(spec, "model", None)
+        ):
+            return
+        dtype, message = dtype_advice(str(model_config.dtype).removeprefix("torch."), requested)
+    if message:
+        logger = init_logger(__name__)
+        (logger.info if dtype else logger.warning)("vllm-specstream: %s", message)
+    if dtype:
+        engine_args.dtype = dtype
+
+
 def _apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_engine_config
 
     def create_engine_config(self, *args, **kwargs):
+        _advise_dtype(self)
         config = original(self, *args, **kwargs)
+        _advise_dtype(self, config)
         check_vllm_config(config)
         return config
 

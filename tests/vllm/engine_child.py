@@ -1,0 +1,179 @@
+"""Programs the engine tests run in a child process (one vLLM engine each, a fresh process so
+that vLLM's global state and the plugin's registration are those of a user's process).
+
+    python tests/vllm/engine_child.py NAME 'JSON-ARGS'
+
+runs ``NAME(**args)``; a function's result is printed on one line as ``RESULT <json>`` (one
+write: vLLM's threads log to the same stdout). :func:`run_child` is the tests' side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+#: This file, to run as a program.
+CHILD = __file__
+
+
+def _llm(
+    ckpt: str, k: int = 0, placement=None, adaptive: bool = False, spec_options=None, **engine
+):
+    from vllm import LLM
+
+    from vllm_specstream import speculative_config
+    from vllm_specstream.cpu_env import cpu_engine_kwargs
+
+    kw = cpu_engine_kwargs(**{"dtype": "float32", "max_model_len": 1024, **engine})
+    if k:
+        kw["speculative_config"] = speculative_config(
+            k, placement=placement, adaptive=adaptive, **(spec_options or {})
+        )
+    return LLM(model=ckpt, **kw)
+
+
+def _metrics(llm, *words: str) -> dict:
+    return {
+        m.name: getattr(m, "value", getattr(m, "values", None))
+        for m in llm.get_metrics()
+        if any(w in m.name for w in words)
+    }
+
+
+def generate(ckpt: str, k: int, engine: dict, requests: list[dict], placement=None) -> dict:
+    """Greedy outputs of ``requests``; with ``k``, drafting at every batch size (these runs
+    check losslessness, not the policy) and per-request speculation metrics."""
+    from vllm import SamplingParams
+
+    extra = {"per_request_spec_decode_metrics": "summary"} if k else {}
+    llm = _llm(ckpt, k, placement, disable_log_stats=False, **engine, **extra)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
+        for r in requests
+    ]
+    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
+    per_request = [o.outputs[0].spec_decode_metrics for o in outs]
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "text": [o.outputs[0].text for o in outs],
+        "metrics": _metrics(llm, "spec_decode", "preemptions"),
+        "per_request": [m.to_dict() if m else None for m in per_request],
+    }
+
+
+def probe(ckpt: str, max_tokens: list[int], prompts: list[str], placement: str) -> dict:
+    """The model's last stash after each prompt decoded alone (``k = 3``); then, under a
+    user's schedule (3 drafts alone, 2 for two requests, none from three), one prompt twice
+    together (its stash: two requests with 2 streams run) and the drafts counted at batch
+    32 and 1."""
+    from vllm import SamplingParams
+
+    from vllm_specstream.model_executor.specstream import stash_snapshot
+
+    schedule = [(1, 1, 3), (2, 2, 2), (3, 1 << 16, 0)]
+    llm = _llm(
+        ckpt,
+        3,
+        placement,
+        spec_options={"num_speculative_tokens_per_batch_size": schedule},
+        disable_log_stats=False,
+    )
+
+    def drafts() -> float:
+        return _metrics(llm, "spec_decode_num_drafts").get("vllm:spec_decode_num_drafts", 0)
+
+    def snapshot(batch: list[str], n: int) -> dict:
+        params = SamplingParams(temperature=0.0, max_tokens=n)
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return {
+            "max_tokens": n,
+            "prompt_ids": [list(o.prompt_token_ids) for o in outs],
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "stash": llm.apply_model(stash_snapshot)[0],
+        }
+
+    # One request at a time: the last forward is that request's.
+    results = [snapshot([p], n) for n in max_tokens for p in prompts]
+    for _ in range(5):  # both requests in the last forward (the engine may start one first)
+        pair = snapshot([prompts[0]] * 2, 9)
+        if len(pair["stash"]["qsl"]) == 3:
+            break
+    counted = []
+    for batch in (32, 1):
+        before = drafts()
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        llm.generate(prompts[:1] * batch, params, use_tqdm=False)
+        counted.append(drafts() - before)
+    return {"probes": results, "pair": pair, "schedule_drafts": counted}
+
+
+def fail_to_start(ckpt: str, k: int) -> None:
+    """Start ``ckpt`` with ``k`` drafts as a user would; the tests expect it to fail."""
+    _llm(ckpt, k, adaptive=True, max_model_len=512)
+
+
+def sample(ckpt: str, k: int, n: int) -> list[list[int]]:
+    """``n`` samples of 3 tokens at temperature 0.8 from one prompt."""
+    from vllm import SamplingParams
+
+    llm = _llm(ckpt, k, max_model_len=256)
+    params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(["The colour of the sky is"] * n, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def plain_run(model: str, prompts: list[str], n: int) -> dict:
+    """Greedy prompt + output tokens of a plain model, and whether the plugin registered in
+    this (front-end) process."""
+    from vllm import SamplingParams
+
+    import vllm_specstream.plugin
+
+    llm = _llm(model, max_model_len=512)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
+    return {
+        "frontend_registered": vllm_specstream.plugin._registered,
+        "tokens": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
+    }
+
+
+def reference(ckpt: str, k: int, requests: list[dict]) -> list[list[int]]:
+    """Greedy outputs with the default (adaptive) speculation, a small KV cache."""
+    from vllm import SamplingParams
+
+    llm = _llm(ckpt, k, adaptive=True, max_model_len=512, kv_cache_memory_bytes=256 << 20)
+    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"]) for r in requests]
+    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+CHILDREN = {f.__name__: f for f in (generate, probe, fail_to_start, sample, plain_run, reference)}
+
+
+def run_child(name: str, *, env=None, timeout: int = 900, check: bool = True, **args):
+    """Run ``name(**args)`` in a child process. Returns ``(result, completed process)``;
+    with ``check``, a failed child fails the test with the end of its stderr."""
+    out = subprocess.run(
+        [sys.executable, CHILD, name, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if check:
+        assert out.returncode == 0, out.stderr[-6000:]
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    return (json.loads(line[len("RESULT ") :]) if line else None), out
+
+
+def main() -> None:
+    result = CHILDREN[sys.argv[1]](**json.loads(sys.argv[2]))
+    if result is not None:
+        sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

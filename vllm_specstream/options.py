@@ -1,0 +1,98 @@
+"""The plugin's runtime settings, in one typed dataclass read once per engine.
+
+Two come from vLLM's ``speculative_config`` (so they travel with the engine's config to
+every process): the stream *placement* (which proposer class ``model`` names) and the
+user's batch-size schedule. Two come from the environment, which vLLM's engine processes
+inherit: the stream pass's dtype and the confidence rule's threshold.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER
+from vllm_specstream.config import ConfigError
+
+ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
+STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
+ENV_DRAFT_MIN_PROB = "SPECSTREAM_DRAFT_MIN_PROB"
+#: Where ``PROPOSER`` runs the streams: after rejection sampling, one anchor per request
+#: (fewer stream rows than the window placement; faster on every CPU measured).
+DEFAULT_PLACEMENT = "accepted"
+SCHEDULE_OPTION = "num_speculative_tokens_per_batch_size"
+
+
+@dataclass(frozen=True)
+class SpecStreamOptions:
+    """Runtime settings of one engine (see :func:`read_options`)."""
+
+    num_speculative_tokens: int = 0
+    """Draft length at most (vLLM's ``num_speculative_tokens``); 0: speculation off."""
+    placement: str = DEFAULT_PLACEMENT
+    """``window`` or ``accepted`` (:mod:`vllm_specstream.model_executor.specstream`)."""
+    schedule: tuple[tuple[int, int, int], ...] | None = None
+    """The user's ``num_speculative_tokens_per_batch_size``; None: the adaptive cost model
+    (:mod:`vllm_specstream.policy`)."""
+    stream_dtype: str = "auto"
+    """``$SPECSTREAM_STREAM_DTYPE``: ``auto``, ``model`` or ``bfloat16``
+    (:mod:`vllm_specstream.model_executor.stream_weights`)."""
+    draft_min_prob: float = 0.0
+    """``$SPECSTREAM_DRAFT_MIN_PROB``: the confidence rule's threshold in ``[0, 1)``; 0 off."""
+
+
+def placement_of(proposer_path: str | None) -> str:
+    """The placement a ``custom_class`` proposer path stands for."""
+    for placement, path in PLACEMENT_PROPOSERS.items():
+        if proposer_path == path:
+            return placement
+    if proposer_path not in (None, PROPOSER):
+        raise ConfigError(
+            f"speculative_config model={proposer_path!r} is not a specstream proposer; use "
+            f"{PROPOSER!r} or one of {sorted(PLACEMENT_PROPOSERS.values())}"
+        )
+    return DEFAULT_PLACEMENT
+
+
+def stream_dtype_from(environ: Mapping[str, str]) -> str:
+    raw = environ.get(ENV_STREAM_DTYPE, "")
+    mode = raw.strip().lower() or "auto"
+    if mode not in STREAM_DTYPE_MODES:
+        raise ConfigError(f"{ENV_STREAM_DTYPE}={raw!r}: choose one of {list(STREAM_DTYPE_MODES)}")
+    return mode
+
+
+def draft_min_prob_from(environ: Mapping[str, str]) -> float:
+    text = environ.get(ENV_DRAFT_MIN_PROB, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(
+            f"{ENV_DRAFT_MIN_PROB}={text!r}: expected a probability in [0, 1) (0 turns the "
+            "confidence rule off)"
+        )
+    return value
+
+
+def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> SpecStreamOptions:
+    """The settings of the engine of ``vllm_config`` (None: speculation off) and
+    ``environ`` (default: this process's environment); bad values raise ``ConfigError``
+    naming the variable or option."""
+    environ = os.environ if environ is None else environ
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = spec.num_speculative_tokens if spec is not None else 0
+    schedule = getattr(spec, SCHEDULE_OPTION, None) if spec is not None else None
+    return SpecStreamOptions(
+        num_speculative_tokens=k or 0,
+        placement=placement_of(getattr(spec, "model", None))
+        if spec is not None
+        else DEFAULT_PLACEMENT,
+        schedule=tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None,
+        stream_dtype=stream_dtype_from(environ),
+        draft_min_prob=draft_min_prob_from(environ) if k else 0.0,
+    )

@@ -1,0 +1,92 @@
+"""What a speculative decode step costs against a plain one, per CPU class (measured).
+
+A step with ``k`` drafts per request verifies ``k + 1`` rows per request and runs the stream
+pass; whether that pays depends on the CPU: on AVX2 the GEMMs' cost grows faster with rows
+than with AVX-512. The adaptive policy (:mod:`vllm_specstream.policy`) divides the tokens a
+step is expected to yield by these ratios. Tables come from ``benchmarks/step_cost.py``
+(median decode-step time, fp32, the same prompts with and without speculation, in one run).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vllm_specstream.machine import cpu_class
+
+
+@dataclass(frozen=True)
+class StepCostTable:
+    """Median decode-step time with ``k`` drafts per request over a plain step's, measured
+    at a few batch sizes (linear in between and beyond, between measured ``k`` too)."""
+
+    cpu_class: str
+    """The CPU class measured (:data:`vllm_specstream.machine.CPU_CLASSES`)."""
+    batch_sizes: tuple[int, ...]
+    """Batch sizes measured, ascending."""
+    ratios: Mapping[int, tuple[float, ...]]
+    """Draft length -> cost ratio at each of ``batch_sizes``."""
+    source: str
+    """Where it was measured (machine, checkpoint, command)."""
+
+    def __post_init__(self) -> None:
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
+            raise ValueError(f"batch_sizes must ascend: {self.batch_sizes}")
+        for k, row in self.ratios.items():
+            if k < 1 or len(row) != len(self.batch_sizes):
+                raise ValueError(f"ratios[{k}] needs one ratio per batch size")
+
+    def _at_batch(self, row: tuple[float, ...], batch_size: int) -> float:
+        sizes = self.batch_sizes
+        if len(sizes) == 1:
+            return row[0]
+        i = min(max(bisect.bisect_right(sizes, batch_size) - 1, 0), len(sizes) - 2)
+        b0, b1 = sizes[i], sizes[i + 1]
+        r0, r1 = row[i], row[i + 1]
+        t = (max(batch_size, sizes[0]) - b0) / (b1 - b0)
+        # Past the largest size the trend goes on (never below the last ratio).
+        return max(r0 + t * (r1 - r0), row[-1] if batch_size > sizes[-1] else 0.0)
+
+    def ratio(self, batch_size: int, k: int) -> float:
+        """Cost of a step with ``k`` drafts per request at ``batch_size`` over a plain step."""
+        if k <= 0:
+            return 1.0
+        known = sorted(self.ratios)
+        lo = max((x for x in known if x <= k), default=0)
+        hi = min((x for x in known if x >= k), default=known[-1])
+        r_lo = 1.0 if lo == 0 else self._at_batch(self.ratios[lo], batch_size)
+        r_hi = self._at_batch(self.ratios[hi], batch_size)
+        if hi == lo:
+            return r_hi * (k / hi if k > hi else 1.0)  # beyond the largest k: rows grow
+        return r_lo + (k - lo) / (hi - lo) * (r_hi - r_lo)
+
+
+#: Measured tables per CPU class (``benchmarks/results/step-cost/<class>.json``; each cell the
+#: fastest of two rounds, then made non-decreasing in k: more drafts never cost less).
+TABLES: dict[str, StepCostTable] = {
+    "avx2": StepCostTable(
+        cpu_class="avx2",
+        batch_sizes=(1, 4, 16, 32),
+        ratios={
+            1: (1.58, 1.68, 2.16, 2.51),
+            2: (1.72, 1.88, 2.83, 3.55),
+            3: (1.72, 2.16, 3.47, 4.13),
+            4: (2.01, 2.26, 3.67, 4.50),
+        },
+        source="AMD EPYC (AVX2 only), 2 cores, fp32, SmolLM2-135M demo SQL checkpoint "
+        "(8 MSA layers), Spider validation prompts: benchmarks/step_cost.py --batch-sizes "
+        "1,4,16,32 --max-tokens 24",
+    ),
+}
+
+
+def table_for(cls: str | None = None) -> tuple[StepCostTable, str]:
+    """The table for CPU class ``cls`` (default: this CPU's) and a note when it is another
+    class's (the slowest measured class's: extra rows cost it the most, so it errs toward
+    drafting less)."""
+    cls = cls or cpu_class()
+    if cls in TABLES:
+        return TABLES[cls], ""
+    table = TABLES["avx2"]
+    return table, f"no step-cost table for {cls} CPUs yet; using the {table.cpu_class} one"
