@@ -83,6 +83,7 @@ def main() -> None:
         help="requests decoded together, comma-separated (> 1: fixed lengths, ignore_eos)",
     )
     ap.add_argument("--json", help="write the medians per batch size here")
+    ap.add_argument("--placement", help="window or accepted (default: the proposer's)")
     args = ap.parse_args()
     preload_iomp_and_reexec()
 
@@ -102,7 +103,8 @@ def main() -> None:
     wrap(ss.SpecStreamMixin, "forward", "model.forward (main + hook)")
     wrap(ss.SpecStreamMixin, "_run_streams", "streams: total")
     wrap(sf.StreamRunner, "__call__", "streams: layers")
-    wrap(sf.StreamRunner, "_main_kv", "streams: KV gather")
+    wrap(ss.SpecStreamMixin, "_begin_fused", "streams: fused pass setup")
+    wrap(sf.StreamRunner, "main_kv", "streams: KV gather")
     wrap(ss.SpecStreamLlamaForCausalLM, "compute_logits", "compute_logits (main + streams)")
     wrap(SpecStreamProposer, "propose", "proposer.propose")
     from vllm.v1.worker import gpu_model_runner as gmr
@@ -127,7 +129,9 @@ def main() -> None:
     prompts = [prompt_text(tok, m) for m in messages]
     kw = cpu_engine_kwargs(dtype=args.dtype)
     if args.k:
-        kw["speculative_config"] = speculative_config(args.k, adaptive=False)
+        kw["speculative_config"] = speculative_config(
+            args.k, placement=args.placement, adaptive=False
+        )
     llm = LLM(model=args.ckpt, **kw)
     # Fixed lengths (ignore_eos) keep the batch full: the step cost is per batch size.
     params = SamplingParams(

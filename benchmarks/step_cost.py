@@ -46,6 +46,8 @@ def measure(args, k: int, tmp: Path) -> dict:
     ]
     if args.data:
         cmd += ["--data", args.data]
+    if args.placement and k:
+        cmd += ["--placement", args.placement]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0", **os.environ}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--task", default="sql")
     ap.add_argument("--data", help="task file whose validation split gives the prompts")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--placement", help="window or accepted (default: the proposer's)")
     ap.add_argument("--out", default="benchmarks/results/step-cost")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -76,6 +79,7 @@ def main() -> None:
     report = {
         "machine": describe_machine(),
         "cpu_class": cpu_class(),
+        "placement": args.placement or "default",
         "checkpoint": args.checkpoint,
         "prompts": f"{args.task} {args.data or 'synthetic'}",
         "batch_sizes": sizes,
@@ -91,7 +95,8 @@ def main() -> None:
     for k in ks:
         print(f"  k = {k}{'':32s}" + " ".join(f"{r:6.2f}" for r in ratios[k]))
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"{report['cpu_class']}.json"
+    suffix = f"-{args.placement}" if args.placement else ""
+    path = Path(args.out) / f"{report['cpu_class']}{suffix}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"written: {path}")
 

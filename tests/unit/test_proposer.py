@@ -8,7 +8,11 @@ import torch
 from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.stash import StreamStash
-from vllm_specstream.model_executor.stream_forward import accepted_anchors, window_anchors
+from vllm_specstream.model_executor.stream_forward import (
+    accepted_anchors,
+    last_window_anchors,
+    window_anchors,
+)
 from vllm_specstream.proposer import anchor_rows, last_accepted_index, select_drafts
 
 
@@ -54,6 +58,13 @@ def _batch() -> ForwardBatch:
 def test_window_anchors():
     anchors = window_anchors(_batch(), max_anchors=4)
     assert anchors.tolist() == [[2, 3, 4, 5], [6, 7, 8, 9], [10, -1, -1, -1]]
+
+
+def test_fused_window_anchors_keep_only_the_last_token_of_a_prefill():
+    """A 6-token prefill chunk drafts from its last token only; decode windows keep every
+    position (any of them may be the last accepted one)."""
+    anchors = last_window_anchors(_batch(), max_anchors=4)
+    assert anchors.tolist() == [[-1, -1, -1, 5], [6, 7, 8, 9], [10, -1, -1, -1]]
 
 
 def test_anchor_rows_feed_accepted_anchors():

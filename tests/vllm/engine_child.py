@@ -96,9 +96,11 @@ def probe(ckpt: str, max_tokens: list[int], prompts: list[str], placement: str) 
 
     # One request at a time: the last forward is that request's.
     results = [snapshot([p], n) for n in max_tokens for p in prompts]
-    for _ in range(5):  # both requests in the last forward (the engine may start one first)
+    for _ in range(8):
+        # The engine may start one request a step before the other; then the last forward
+        # holds one request, which drafted 2 (window: decided at the step before) or 3.
         pair = snapshot([prompts[0]] * 2, 9)
-        if len(pair["stash"]["qsl"]) == 3:
+        if any(row[0] >= 0 and row[2] < 0 for row in pair["stash"]["table"]):
             break
     counted = []
     for batch in (32, 1):

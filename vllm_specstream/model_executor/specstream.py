@@ -38,11 +38,13 @@ from vllm_specstream.model_executor.forward_batch import (
     current_forward_batch,
     no_forward_batch_reason,
 )
+from vllm_specstream.model_executor.fused_streams import FusedStreams
 from vllm_specstream.model_executor.stash import StreamStash
 from vllm_specstream.model_executor.stream_forward import (
     StreamParams,
     StreamRunner,
     accepted_anchors,
+    last_window_anchors,
     window_anchors,
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
@@ -104,11 +106,28 @@ class SpecStreamMixin:
         #: Streams the window placement runs (the proposer's last draft length: stream ``j``
         #: sees streams ``<= j`` only, so fewer streams give the same first drafts).
         self.window_streams = self.spec_config.num_streams
+        #: The window placement's streams ride along the main forward's matmuls
+        #: (``fused_streams``) where the decoder runs eagerly (a compiled decoder would
+        #: trace the wrappers); else they run in a second pass after it.
+        self._eager = vllm_config.model_config.enforce_eager
+        self._fused: FusedStreams | None = None
+        #: ``(stash, anchors, stream rows)`` waiting for ``compute_logits`` (fused pass).
+        self._pending_streams: tuple | None = None
 
     def set_placement(self, placement: str) -> None:
         if placement not in PLACEMENTS:
             raise ConfigError(f"stream placement must be one of {PLACEMENTS}, got {placement!r}")
         self.placement = placement
+        if placement == "window" and self._eager and self._fused is None:
+            self._fused = FusedStreams(self._stream_runner())
+            logger.info("specstream window placement: stream rows ride along the main forward")
+
+    def _stream_runner(self) -> StreamRunner:
+        if self._runner is None:
+            self._runner = StreamRunner(
+                self, self.specstream, self.spec_config, self._stream_weights
+            )
+        return self._runner
 
     def load_weights(self, weights):
         """The base loader, plus checks that every stream tensor came with the right shape
@@ -159,15 +178,33 @@ class SpecStreamMixin:
             self.forward_step += 1
             self.stash = None
             self.no_stash_reason = "the forward ended before the stream pass"
-        out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        fused = self._begin_fused(positions)
+        try:
+            out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        finally:
+            streams = self._fused.finish() if fused else None
         if not isinstance(out, tuple):  # pipeline-parallel intermediate ranks
             return out
         hidden, aux = out
         if self.num_speculative_tokens > 0:
-            self._after_main(aux[0], positions, input_ids)
+            self._after_main(aux[0], positions, input_ids, streams)
         return hidden
 
-    def _after_main(self, msa_input: torch.Tensor, positions: torch.Tensor, input_ids) -> None:
+    def _begin_fused(self, positions: torch.Tensor) -> bool:
+        """Start a fused window pass for this forward if there is one to run."""
+        self._pending_streams = None
+        if self._fused is None or self.placement != "window" or self.window_streams <= 0:
+            return False
+        batch = current_forward_batch(self._layer_name, positions)
+        if batch is None:
+            return False
+        anchors = last_window_anchors(batch, self.num_speculative_tokens + 1)
+        self._fused.begin(batch, anchors, self.window_streams)
+        return self._fused.active is not None
+
+    def _after_main(
+        self, msa_input: torch.Tensor, positions: torch.Tensor, input_ids, streams=None
+    ) -> None:
         batch = current_forward_batch(self._layer_name, positions)
         if batch is None:
             self.no_stash_reason = (
@@ -180,7 +217,11 @@ class SpecStreamMixin:
         stash = StreamStash(self.forward_step, batch, ids, table)
         self.stash = self.last_stash = stash
         self.no_stash_reason = None
-        if self.placement == "window" and self.window_streams > 0:
+        if streams is not None:  # fused: the LM head runs with the main rows
+            anchors, hidden = streams
+            valid = anchors >= 0
+            self._pending_streams = (stash, anchors, hidden[valid].reshape(-1, hidden.shape[-1]))
+        elif self.placement == "window" and self.window_streams > 0:
             self._run_streams(
                 stash,
                 msa_input,
@@ -218,20 +259,37 @@ class SpecStreamMixin:
         valid = anchors >= 0
         if not bool(valid.any()):
             return  # e.g. a step of partial prefills only: no request drafts
-        if self._runner is None:
-            self._runner = StreamRunner(
-                self, self.specstream, self.spec_config, self._stream_weights
-            )
-        hidden = self._runner(msa_input, stash.batch, anchors, num_streams)
+        hidden = self._stream_runner()(msa_input, stash.batch, anchors, num_streams)
         rows = hidden[valid].reshape(-1, hidden.shape[-1])
         head = self._runner.weights.lm_head
         # Any positive logit scale or soft cap keeps the argmax of the plain projection (the
         # confidence rule reads its softmax: exact for Llama/Qwen2, which have neither).
-        logits = head(rows) if head is not None else self.compute_logits(rows)
+        logits = head(rows) if head is not None else super().compute_logits(rows)
+        self._write_drafts(stash, anchors, logits, hidden.shape[2])
+
+    def compute_logits(self, hidden_states: torch.Tensor):
+        """vLLM's logits; after a fused window pass the streams' final states go through
+        the LM head in the same call and their top-1 tokens into the stash."""
+        pending, self._pending_streams = self._pending_streams, None
+        if pending is None:
+            return super().compute_logits(hidden_states)
+        stash, anchors, rows = pending
+        n = hidden_states.shape[0]
+        logits = super().compute_logits(torch.cat((hidden_states, rows.to(hidden_states.dtype))))
+        if logits is None:  # tensor-parallel ranks other than the first
+            stash.drafting_rank = False
+            return None
+        g = rows.shape[0] // int((anchors >= 0).sum())
+        self._write_drafts(stash, anchors, logits[n:], g)
+        return logits[:n]
+
+    def _write_drafts(self, stash: StreamStash, anchors: torch.Tensor, logits, g: int) -> None:
+        """Top-1 tokens of ``g`` streams at each valid anchor (``logits`` of their rows, in
+        anchor-major order) into the stash's draft table."""
         if logits is None:  # tensor-parallel ranks other than the first
             stash.drafting_rank = False
             return
-        g = hidden.shape[2]
+        valid = anchors >= 0
         if self.draft_min_prob > 0:
             top_prob, tokens = logits.float().softmax(dim=-1).max(dim=-1)
             tokens = confident_drafts(tokens.view(-1, g), top_prob.view(-1, g), self.draft_min_prob)
