@@ -18,9 +18,6 @@ from vllm_specstream.config import ConfigError
 ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
 STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
 ENV_DRAFT_MIN_PROB = "SPECSTREAM_DRAFT_MIN_PROB"
-#: Where ``PROPOSER`` runs the streams: after rejection sampling, one anchor per request
-#: (fewer stream rows than the window placement; faster on every CPU measured).
-DEFAULT_PLACEMENT = "accepted"
 SCHEDULE_OPTION = "num_speculative_tokens_per_batch_size"
 
 
@@ -30,8 +27,9 @@ class SpecStreamOptions:
 
     num_speculative_tokens: int = 0
     """Draft length at most (vLLM's ``num_speculative_tokens``); 0: speculation off."""
-    placement: str = DEFAULT_PLACEMENT
-    """``window`` or ``accepted`` (:mod:`vllm_specstream.model_executor.specstream`)."""
+    placement: str | None = None
+    """``window`` or ``accepted`` (:mod:`vllm_specstream.model_executor.specstream`); None:
+    the model's default (window where the decoder runs eagerly, else accepted)."""
     schedule: tuple[tuple[int, int, int], ...] | None = None
     """The user's ``num_speculative_tokens_per_batch_size``; None: the adaptive cost model
     (:mod:`vllm_specstream.policy`)."""
@@ -42,8 +40,8 @@ class SpecStreamOptions:
     """``$SPECSTREAM_DRAFT_MIN_PROB``: the confidence rule's threshold in ``[0, 1)``; 0 off."""
 
 
-def placement_of(proposer_path: str | None) -> str:
-    """The placement a ``custom_class`` proposer path stands for."""
+def placement_of(proposer_path: str | None) -> str | None:
+    """The placement a ``custom_class`` proposer path pins (None: the model's default)."""
     for placement, path in PLACEMENT_PROPOSERS.items():
         if proposer_path == path:
             return placement
@@ -52,7 +50,7 @@ def placement_of(proposer_path: str | None) -> str:
             f"speculative_config model={proposer_path!r} is not a specstream proposer; use "
             f"{PROPOSER!r} or one of {sorted(PLACEMENT_PROPOSERS.values())}"
         )
-    return DEFAULT_PLACEMENT
+    return None
 
 
 def stream_dtype_from(environ: Mapping[str, str]) -> str:
@@ -89,9 +87,7 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
     schedule = getattr(spec, SCHEDULE_OPTION, None) if spec is not None else None
     return SpecStreamOptions(
         num_speculative_tokens=k or 0,
-        placement=placement_of(getattr(spec, "model", None))
-        if spec is not None
-        else DEFAULT_PLACEMENT,
+        placement=placement_of(getattr(spec, "model", None)) if spec is not None else None,
         schedule=tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None,
         stream_dtype=stream_dtype_from(environ),
         draft_min_prob=draft_min_prob_from(environ) if k else 0.0,

@@ -16,7 +16,7 @@ from vllm_specstream.config import ConfigError
 from vllm_specstream.draft_watch import NoDraftWatch
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
-from vllm_specstream.options import DEFAULT_PLACEMENT, ENV_DRAFT_MIN_PROB
+from vllm_specstream.options import ENV_DRAFT_MIN_PROB
 from vllm_specstream.policy import AcceptanceStats, DraftPolicy, lookup_length
 from vllm_specstream.step_cost import table_for
 
@@ -98,8 +98,9 @@ class SpecStreamProposer:
     """
 
     #: Where the model runs the streams; the subclasses pin either (their class path in
-    #: ``speculative_config`` is the engine's option: :func:`vllm_specstream.options.placement_of`).
-    placement: str = DEFAULT_PLACEMENT
+    #: ``speculative_config`` is the engine's option: :func:`vllm_specstream.options.placement_of`);
+    #: None: the model's default (:meth:`SpecStreamMixin.default_placement`).
+    placement: str | None = None
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config
@@ -114,15 +115,7 @@ class SpecStreamProposer:
             self.lookup = schedule_lookup(user, max(int(max_seqs or 0), 1), self.k)
             logger.info("specstream drafts per request by batch size (first, last, k): %s", user)
         else:
-            table, note = table_for()
-            self.policy = DraftPolicy(self.k, table, AcceptanceStats(self.k))
-            logger.info(
-                "specstream drafts up to %d per request, as many as pay on this CPU (step cost "
-                "table: %s%s; set num_speculative_tokens_per_batch_size to fix the schedule)",
-                self.k,
-                table.cpu_class,
-                f"; {note}" if note else "",
-            )
+            self.policy = DraftPolicy(self.k, None, AcceptanceStats(self.k))
         self.target = None
         #: Stashes refused as not this step's (each one: a step without drafts).
         self.refused_stashes = 0
@@ -135,8 +128,21 @@ class SpecStreamProposer:
                 f"the specstream proposer needs a SpecStreamForCausalLM checkpoint, got "
                 f"{type(target_model).__name__}; export one with `specstream export --merge`"
             )
-        target_model.set_placement(self.placement)
+        placement = self.placement or target_model.default_placement()
+        target_model.set_placement(placement)
         self.target = target_model
+        if self.policy is not None and self.policy.cost is None:
+            table, note = table_for(placement)
+            self.policy.cost = table
+            logger.info(
+                "specstream drafts up to %d per request, as many as pay on this CPU (placement "
+                "%s, step cost table: %s%s; set num_speculative_tokens_per_batch_size to fix "
+                "the schedule)",
+                self.k,
+                placement,
+                table.cpu_class,
+                f"; {note}" if note else "",
+            )
 
     def draft_length(self, batch_size: int) -> int:
         """Drafts per request for a step of ``batch_size`` requests."""

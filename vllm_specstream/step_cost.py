@@ -62,10 +62,16 @@ class StepCostTable:
         return r_lo + (k - lo) / (hi - lo) * (r_hi - r_lo)
 
 
-#: Measured tables per CPU class (``benchmarks/results/step-cost/<class>.json``; each cell the
-#: fastest of two rounds, then made non-decreasing in k: more drafts never cost less).
-TABLES: dict[str, StepCostTable] = {
-    "avx2": StepCostTable(
+_AVX2_SOURCE = (
+    "AMD EPYC (AVX2 only), 2 cores, nothing else running, fp32, SmolLM2-135M demo SQL "
+    "checkpoint (8 MSA layers), Spider validation prompts: benchmarks/step_cost.py "
+    "--batch-sizes 1,4,16,32 --max-tokens 24 --placement {placement}"
+)
+
+#: Measured tables per (CPU class, placement) (``benchmarks/results/step-cost/``; a cell is
+#: the fastest of the rounds, made non-decreasing in k: more drafts never cost less).
+TABLES: dict[tuple[str, str], StepCostTable] = {
+    ("avx2", "accepted"): StepCostTable(
         cpu_class="avx2",
         batch_sizes=(1, 4, 16, 32),
         ratios={
@@ -74,19 +80,26 @@ TABLES: dict[str, StepCostTable] = {
             3: (1.72, 2.16, 3.47, 4.13),
             4: (2.01, 2.26, 3.67, 4.50),
         },
-        source="AMD EPYC (AVX2 only), 2 cores, fp32, SmolLM2-135M demo SQL checkpoint "
-        "(8 MSA layers), Spider validation prompts: benchmarks/step_cost.py --batch-sizes "
-        "1,4,16,32 --max-tokens 24",
+        source=_AVX2_SOURCE.format(placement="accepted") + " --rounds 2",
+    ),
+    ("avx2", "window"): StepCostTable(
+        cpu_class="avx2",
+        batch_sizes=(1, 4, 16, 32),
+        ratios={
+            1: (1.45, 1.73, 2.29, 2.53),
+            2: (1.45, 2.12, 3.64, 4.38),
+            4: (2.06, 4.24, 8.20, 12.16),
+        },
+        source=_AVX2_SOURCE.format(placement="window") + " --ks 1,2,4 --rounds 1",
     ),
 }
 
 
-def table_for(cls: str | None = None) -> tuple[StepCostTable, str]:
-    """The table for CPU class ``cls`` (default: this CPU's) and a note when it is another
-    class's (the slowest measured class's: extra rows cost it the most, so it errs toward
-    drafting less)."""
+def table_for(placement: str, cls: str | None = None) -> tuple[StepCostTable, str]:
+    """The table for ``placement`` on CPU class ``cls`` (default: this CPU's) and a note
+    when it is another class's (the AVX2 one: extra rows cost it the most, so the policy
+    errs toward drafting less)."""
     cls = cls or cpu_class()
-    if cls in TABLES:
-        return TABLES[cls], ""
-    table = TABLES["avx2"]
-    return table, f"no step-cost table for {cls} CPUs yet; using the {table.cpu_class} one"
+    if (cls, placement) in TABLES:
+        return TABLES[cls, placement], ""
+    return TABLES["avx2", placement], f"no step-cost table for {cls} CPUs yet; using the avx2 one"

@@ -43,9 +43,10 @@ def test_step_cost_interpolates_in_batch_size_and_draft_length():
 
 def test_every_cpu_class_gets_a_table():
     for cls in ("avx2", "avx512", "avx512_bf16"):
-        table, note = table_for(cls)
-        assert table.ratio(1, 1) > 1.0
-        assert (note == "") == (cls in TABLES)
+        for placement in ("window", "accepted"):
+            table, note = table_for(placement, cls)
+            assert table.ratio(1, 1) > 1.0
+            assert (note == "") == ((cls, placement) in TABLES)
     assert cpu_class(frozenset({"avx2"})) == "avx2"
     assert cpu_class(frozenset({"avx2", "avx512f"})) == "avx512"
     assert cpu_class(frozenset({"avx512f", "amx_bf16"})) == "avx512_bf16"
@@ -149,7 +150,7 @@ def test_options_are_read_once_and_name_the_bad_setting():
 
 
 def test_placement_follows_the_proposer_class():
-    assert placement_of(PROPOSER) == "accepted"
+    assert placement_of(PROPOSER) is None  # the model's default
     assert {placement_of(p) for p in PLACEMENT_PROPOSERS.values()} == set(PLACEMENT_PROPOSERS)
     with pytest.raises(ConfigError, match="not a specstream proposer"):
         placement_of("my.Proposer")
@@ -174,6 +175,9 @@ class _Target:
 
     def set_placement(self, placement):
         self.placement = placement
+
+    def default_placement(self):
+        return "accepted"
 
     def take_stash(self):
         stash, self.stash = self.stash, None

@@ -83,9 +83,11 @@ def test_speculative_config_placements():
     assert speculative_config(3, placement="window")["model"] == PLACEMENT_PROPOSERS["window"]
     with pytest.raises(ValueError, match="placement='middle'"):
         speculative_config(3, placement="middle")
-    from vllm_specstream.proposer import SpecStreamProposer
+    from vllm_specstream import proposer
 
-    assert SpecStreamProposer.placement in PLACEMENT_PROPOSERS
+    assert proposer.SpecStreamProposer.placement is None  # the model's default
+    assert proposer.WindowSpecStreamProposer.placement == "window"
+    assert proposer.AcceptedSpecStreamProposer.placement == "accepted"
 
 
 class _Target:
@@ -116,6 +118,9 @@ class _Target:
 
     def set_placement(self, placement):
         self.placement = placement
+
+    def default_placement(self):
+        return "accepted"
 
     def take_stash(self):
         stash, self.stash = self.stash, None

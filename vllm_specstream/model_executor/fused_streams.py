@@ -57,11 +57,9 @@ class _Pass:
     qkv: tuple[Tensor, Tensor, Tensor] | None = None
     flat_pos: Tensor | None = None
     mask: Tensor | None = None
-    blocks: Tensor | None = None
-    """``[R, nb]`` cache blocks of the requests' contexts."""
-    key_valid: Tensor | None = None
+    kv_index: tuple | None = None
+    """Flat cache indices of the main keys/values the streams read (every MSA layer)."""
     context_len: int = 0
-    """Key slots read per request (whole blocks)."""
     final: Tensor | None = None
     """Stream states after the final norm, ``[N, h]``, once the last layer ran."""
 
@@ -140,11 +138,13 @@ class FusedStreams:
         anchor_pos = p.batch.positions[idx].long()
         p.flat_pos = stream_position_ids(anchor_pos, g, runner.config.stream_position).flatten()
         ctx_len = torch.where(valid, anchor_pos + 1, torch.zeros_like(anchor_pos)).max(dim=1).values
-        p.blocks, p.context_len = runner.main_kv_blocks(p.batch, max(int(ctx_len.max()), 1))
-        key_pos = torch.arange(p.context_len)
-        main_mask = anchor_main_mask(anchor_pos, key_pos) & valid[..., None]
+        p.context_len = max(int(ctx_len.max()), 1)
+        r = p.anchors.shape[0]
+        context = torch.arange(p.context_len)[None, :].expand(r, p.context_len)
+        context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
+        main_mask = anchor_main_mask(anchor_pos, torch.arange(p.context_len)) & valid[..., None]
         p.mask = joint_attention_mask(main_mask, g)
-        p.key_valid = key_pos[None, :] < ctx_len[:, None]
+        p.kv_index = runner.main_kv_index(p.batch, context)
         p.pending = rms_norm(p.s, runner.layers[0].input_layernorm)
         p.stage = "qkv"
 
@@ -165,7 +165,7 @@ class FusedStreams:
         q, k, v = (
             x.reshape(r, a * g, h, d).transpose(1, 2) for x, h in zip(p.qkv, (h_q, h_kv, h_kv))
         )
-        k_main, v_main = self.runner.main_kv(layer, p.blocks, p.key_valid)
+        k_main, v_main = self.runner.main_kv(layer, p.kv_index, r, p.context_len)
         o = joint_stream_attention(q, k_main, v_main, k, v, p.mask, attn.scaling)
         p.pending = o.transpose(1, 2).reshape(r * a * g, h_q * d)
         p.qkv = None

@@ -84,20 +84,21 @@ class PagedKVLayout:
         offsets = _probe_region(write, block_size, head_dim, num_kv_heads, dtype)
         return cls(offsets[0], offsets[1], block_size, head_dim)
 
-    def gather_blocks(self, kv_cache: Tensor, block_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """K and V ``[R, num_kv_heads, nb * block_size, head_dim]``: every token slot of the
-        blocks ``block_ids`` (``[R, nb]``), in order. Whole blocks are copied at once and
-        unpermuted on the copy (far cheaper than an element-wise gather from the cache);
-        slots past a request's tokens hold whatever the cache holds there."""
-        r, nb = block_ids.shape
-        heads = kv_cache.shape[1]
-        bs, d = self.block_size, self.head_dim
-        region = bs * d
-        blocks = kv_cache.index_select(0, block_ids.flatten().long()).view(r * nb, heads, 2, region)
-        k = blocks[:, :, 0].index_select(-1, self.k_offsets.flatten())
-        v = blocks[:, :, 1].index_select(-1, self.v_offsets.flatten())
+    def flat_indices(
+        self, num_kv_heads: int, block_ids: Tensor, in_block: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Indices into one layer's flattened cache of K and V ``[n, num_kv_heads, head_dim]``
+        of the tokens at (``block_ids``, ``in_block``); the same for every layer of a model."""
+        region = self.block_size * self.head_dim
+        heads = torch.arange(num_kv_heads)
+        base = (block_ids.long()[:, None] * num_kv_heads + heads[None, :]) * (2 * region)
+        k = base[:, :, None] + self.k_offsets[in_block.long()][:, None, :]
+        v = base[:, :, None] + region + self.v_offsets[in_block.long()][:, None, :]
+        return k, v
 
-        def tokens(x: Tensor) -> Tensor:
-            return x.view(r, nb, heads, bs, d).permute(0, 2, 1, 3, 4).reshape(r, heads, nb * bs, d)
-
-        return tokens(k), tokens(v)
+    def gather(
+        self, kv_cache: Tensor, block_ids: Tensor, in_block: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """K and V ``[n, num_kv_heads, head_dim]`` of the tokens at (``block_ids``, ``in_block``)."""
+        k_idx, v_idx = self.flat_indices(kv_cache.shape[1], block_ids, in_block)
+        return torch.take(kv_cache, k_idx), torch.take(kv_cache, v_idx)

@@ -102,7 +102,7 @@ class SpecStreamMixin:
         #: Counts forwards with speculation on; tags each stash (see ``stash.py``).
         self.forward_step = 0
         #: Set by the proposer in ``load_model``.
-        self.placement = self.options.placement
+        self.placement = self.options.placement or "accepted"
         #: Streams the window placement runs (the proposer's last draft length: stream ``j``
         #: sees streams ``<= j`` only, so fewer streams give the same first drafts).
         self.window_streams = self.spec_config.num_streams
@@ -113,6 +113,12 @@ class SpecStreamMixin:
         self._fused: FusedStreams | None = None
         #: ``(stash, anchors, stream rows)`` waiting for ``compute_logits`` (fused pass).
         self._pending_streams: tuple | None = None
+
+    def default_placement(self) -> str:
+        """Window (the paper's one-pass design: cheapest at batch 1) where the stream rows
+        can ride along the main forward, i.e. the decoder runs eagerly; else accepted (the
+        window placement would need a second pass over more stream rows)."""
+        return "window" if self._eager else "accepted"
 
     def set_placement(self, placement: str) -> None:
         if placement not in PLACEMENTS:

@@ -117,25 +117,29 @@ class StreamRunner:
             )
         return self._layouts[key]
 
-    def main_kv_blocks(self, batch: ForwardBatch, context_len: int) -> tuple[Tensor, int]:
-        """``[R, nb]`` cache blocks holding positions ``0..context_len - 1`` of each request
-        (the same for every MSA layer: their caches share shape and layout), and the number
-        of key slots ``nb * block_size`` they cover."""
+    def main_kv_index(self, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Flat cache indices of the main keys/values of positions ``context`` (``[R, P]``),
+        shared by all MSA layers (their caches have one shape and layout)."""
         attn = self.layers[0].self_attn.attn
         kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
         layout = self._layout(attn, kv_cache)
-        nb = -(-context_len // layout.block_size)
-        return batch.block_table[:, :nb], nb * layout.block_size
+        bs = layout.block_size
+        block_ids = torch.gather(batch.block_table.long(), 1, context // bs)
+        k_idx, v_idx = layout.flat_indices(
+            kv_cache.shape[1], block_ids.flatten(), (context % bs).flatten()
+        )
+        return k_idx, v_idx, kv_cache.shape[1]
 
-    def main_kv(self, layer, blocks: Tensor, key_valid: Tensor) -> tuple[Tensor, Tensor]:
-        """Main keys/values ``[R, K, P, D]`` of one layer in ``blocks``; slots not in
-        ``key_valid`` (``[R, P]``: past a request's context) are zeroed, so that stale cache
-        contents (even NaN) never reach the masked attention."""
+    def main_kv(
+        self, layer, index: tuple[Tensor, Tensor, int], r: int, p: int
+    ) -> tuple[Tensor, Tensor]:
+        """Main keys/values ``[R, K, P, D]`` of one layer at the flat ``index``."""
         attn = layer.self_attn.attn
         kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-        k, v = self._layout(attn, kv_cache).gather_blocks(kv_cache, blocks)
-        keep = key_valid[:, None, :, None]
-        return k.where(keep, 0), v.where(keep, 0)
+        k_idx, v_idx, heads = index
+        k = torch.take(kv_cache, k_idx).view(r, p, heads, -1).transpose(1, 2)
+        v = torch.take(kv_cache, v_idx).view(r, p, heads, -1).transpose(1, 2)
+        return k, v
 
     @torch.no_grad()
     def __call__(
@@ -155,13 +159,14 @@ class StreamRunner:
         s = s.reshape(-1, shape[-1])  # rows (request, anchor, stream)
         anchor_pos = batch.positions[idx].long()  # [R, A]
         flat_pos = stream_position_ids(anchor_pos, g, self.config.stream_position).flatten()
-        # Main context of each request: positions 0..(last anchor position), whole blocks.
+        # Main context of each request: positions 0..(last anchor position).
         ctx_len = torch.where(valid, anchor_pos + 1, torch.zeros_like(anchor_pos)).max(dim=1).values
-        blocks, p_max = self.main_kv_blocks(batch, max(int(ctx_len.max()), 1))
-        key_pos = torch.arange(p_max)
-        main_mask = anchor_main_mask(anchor_pos, key_pos) & valid[..., None]
+        p_max = max(int(ctx_len.max()), 1)  # >= 1 keeps the shapes valid without anchors
+        context = torch.arange(p_max)[None, :].expand(r, p_max)
+        context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
+        main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
         mask = joint_attention_mask(main_mask, g)  # shared by every layer
-        key_valid = key_pos[None, :] < ctx_len[:, None]
+        kv_index = self.main_kv_index(batch, context)
         for layer, mm in zip(self.layers, self.weights.layers):
             attn = layer.self_attn
             h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -171,7 +176,7 @@ class StreamRunner:
             q = q.reshape(r, a * g, h_q, d).transpose(1, 2)
             k = k.reshape(r, a * g, h_kv, d).transpose(1, 2)
             v = v.reshape(r, a * g, h_kv, d).transpose(1, 2)
-            k_main, v_main = self.main_kv(layer, blocks, key_valid)
+            k_main, v_main = self.main_kv(layer, kv_index, r, p_max)
             o = joint_stream_attention(q, k_main, v_main, k, v, mask, attn.scaling)
             s = s + mm.o(o.transpose(1, 2).reshape(r * a * g, h_q * d))
             x = rms_norm(s, layer.post_attention_layernorm)
