@@ -114,11 +114,22 @@ def serve_many(*servers):
             raise errors[0]
 
 
+#: The short proposer name with 4 drafts at every batch size: these tests check that drafts
+#: reach the client losslessly, whatever the adaptive policy would choose on this CPU.
+FIXED_SPEC = json.dumps(
+    {
+        "model": "specstream",
+        "num_speculative_tokens": 4,
+        "num_speculative_tokens_per_batch_size": [[1, 1024, 4]],
+    }
+)
+
+
 @pytest.fixture(scope="module")
 def servers(base_model_dir, tmp_path_factory):
     """Three servers started together: the embedded model as shipped (bf16, memory as a
-    share of RAM), and the demo adapter merged onto it (fp32) served with
-    `--spec-model specstream` and without. Yields their URLs and the log directory."""
+    share of RAM), and the demo adapter merged onto it (fp32) served with the specstream
+    proposer (``FIXED_SPEC``) and without. Yields their URLs and the log directory."""
     import torch
 
     from vllm_specstream.training.checkpoint import export_merged
@@ -131,7 +142,7 @@ def servers(base_model_dir, tmp_path_factory):
         (
             demo,
             tmp / "spec.log",
-            (*DEMO_FLAGS, "--spec-model", "specstream", "--enable-log-requests"),
+            (*DEMO_FLAGS, "--speculative-config", FIXED_SPEC, "--enable-log-requests"),
         ),
         (demo, tmp / "plain.log", DEMO_FLAGS),
     ) as (base, spec, plain):

@@ -272,10 +272,13 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, placement,
     assert checked[1] >= 3 and checked[9] >= (3 if placement == "accepted" else 4), checked
     assert agree >= 0.8 * total, (agree, total)
     # Two requests, 2 drafts each: only streams 1-2 ran, and they are streams 1-2 of all.
+    # (The engine may start one request a step early, so that the last forward holds one
+    # request drafting 3; then only the drafts it has are checked.)
     pair = list(_stash_rows_and_training_drafts(model, result["pair"]))
-    assert any(row[2] == -1 for row, _ in pair), pair
-    if not packed:
-        assert all(row[:2] == want[:2] for row, want in pair), pair
+    assert pair, result["pair"]["stash"]
+    for row, want in pair:
+        n = next((j for j, t in enumerate(row) if t < 0), len(row))
+        assert n >= 2 and (packed or row[:n] == want[:n]), (row, want)
 
 
 def _stash_rows_and_training_drafts(model, probe):
