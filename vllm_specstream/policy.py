@@ -60,13 +60,12 @@ class AcceptanceStats:
 
     def _at_least(self, lengths: Sequence[int]) -> np.ndarray:
         """How many of ``lengths`` are ``>= j``, for ``j = 1..num_positions``."""
-        hist = np.bincount(
-            np.minimum(lengths, self.num_positions), minlength=self.num_positions + 1
-        )
+        capped = np.minimum(np.asarray(lengths, dtype=np.int64), self.num_positions)
+        hist = np.bincount(capped, minlength=self.num_positions + 1)
         return hist[::-1].cumsum()[::-1][1:].astype(float)
 
     def record_proposed(self, drafts: Sequence[Sequence[int]]) -> None:
-        self.pending = self._at_least([len(d) for d in drafts]) if drafts else self.pending * 0
+        self.pending = self._at_least([len(d) for d in drafts])
 
     def record_verified(self, sampled_token_ids: Sequence[Sequence[int]]) -> None:
         if not self.pending.any():
@@ -92,8 +91,14 @@ class AcceptanceStats:
         return np.minimum.accumulate(rates)
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens a step with ``k`` drafts yields per request, the bonus token included."""
-        return 1.0 + float(self.accept_rates()[:k].sum())
+        """Tokens a step with ``k`` drafts yields per request (:func:`tokens_per_step`)."""
+        return tokens_per_step(self.accept_rates(), k)
+
+
+def tokens_per_step(rates: np.ndarray, k: int) -> float:
+    """Tokens a step with ``k`` drafts yields per request, the bonus token included, when
+    draft ``j`` is accepted with probability ``rates[j - 1]``."""
+    return 1.0 + float(rates[:k].sum())
 
 
 @dataclass
@@ -116,7 +121,7 @@ class DraftPolicy:
 
     def expected_speedup(self, batch_size: int, k: int, rates: np.ndarray | None = None) -> float:
         rates = self.stats.accept_rates() if rates is None else rates
-        return (1.0 + float(rates[:k].sum())) / self.cost.ratio(batch_size, k)
+        return tokens_per_step(rates, k) / self.cost.ratio(batch_size, k)
 
     def best_length(self, batch_size: int, rates: np.ndarray | None = None) -> int:
         """The ``k`` of highest expected speedup under ``rates`` (default: the estimate);

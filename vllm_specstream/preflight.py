@@ -86,10 +86,12 @@ def check_setup(
         check_stream_tensors(model_dir, config, hf_config.hidden_size)
 
 
-def serves_specstream(hf_config, spec_method: str | None, spec_model: str | None) -> bool:
-    """Whether this engine serves a specstream checkpoint or speculates with the proposer."""
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    return MERGED_ARCHITECTURE in architectures or uses_specstream_proposer(spec_method, spec_model)
+def serves_specstream(architectures, spec_method: str | None, spec_model: str | None) -> bool:
+    """Whether an engine of a model with ``architectures`` (``config.json``) serves a
+    specstream checkpoint or speculates with the proposer."""
+    return MERGED_ARCHITECTURE in (architectures or []) or uses_specstream_proposer(
+        spec_method, spec_model
+    )
 
 
 def dtype_advice(resolved: str, requested: str, cls: str | None = None) -> tuple[str | None, str]:

@@ -16,7 +16,7 @@ from vllm_specstream.config import ConfigError
 from vllm_specstream.draft_watch import NoDraftWatch
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
-from vllm_specstream.options import ENV_DRAFT_MIN_PROB
+from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import AcceptanceStats, DraftPolicy, lookup_length
 from vllm_specstream.step_cost import table_for
 
@@ -103,16 +103,16 @@ class SpecStreamProposer:
     placement: str | None = None
 
     def __init__(self, vllm_config):
-        spec = vllm_config.speculative_config
-        self.k = spec.num_speculative_tokens
-        user = getattr(spec, "num_speculative_tokens_per_batch_size", None)
+        options = read_options(vllm_config)
+        self.k = options.num_speculative_tokens
+        user = options.schedule
         self.policy: DraftPolicy | None = None
         self.lookup: list[int] | None = None
         if user:
             from vllm_specstream.vllm_schedule import schedule_lookup
 
             max_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 0)
-            self.lookup = schedule_lookup(user, max(int(max_seqs or 0), 1), self.k)
+            self.lookup = schedule_lookup(list(user), max(int(max_seqs or 0), 1), self.k)
             logger.info("specstream drafts per request by batch size (first, last, k): %s", user)
         else:
             self.policy = DraftPolicy(self.k, None, AcceptanceStats(self.k))

@@ -26,14 +26,7 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.stream_forward import StreamRunner, rms_norm
-from vllm_specstream.stream_math import (
-    anchor_main_mask,
-    init_streams,
-    joint_attention_mask,
-    joint_stream_attention,
-    stream_position_ids,
-)
+from vllm_specstream.model_executor.stream_forward import StreamRunner, StreamStart, rms_norm
 
 Tensor = torch.Tensor
 
@@ -50,16 +43,12 @@ class _Pass:
     """Index (among the MSA layers) of the layer the streams are in."""
     stage: str = ""
     """The projection call the streams wait for: qkv, o, gate_up, down ("" not started)."""
+    start: StreamStart | None = None
     s: Tensor | None = None
     """Residual stream of the stream rows, ``[N, h]`` (request, anchor, stream)."""
     pending: Tensor | None = None
     """Input of the next projection call for the stream rows."""
     qkv: tuple[Tensor, Tensor, Tensor] | None = None
-    flat_pos: Tensor | None = None
-    mask: Tensor | None = None
-    kv_index: tuple | None = None
-    """Flat cache indices of the main keys/values the streams read (every MSA layer)."""
-    context_len: int = 0
     final: Tensor | None = None
     """Stream states after the final norm, ``[N, h]``, once the last layer ran."""
 
@@ -125,49 +114,23 @@ class FusedStreams:
         p, self.active = self.active, None
         if p is None or p.final is None:
             return None
-        r, a = p.anchors.shape
-        return p.anchors, p.final.view(r, a, p.num_streams, -1)
+        return p.anchors, p.final.view(p.start.shape)
 
     def _start(self, p: _Pass, msa_input: Tensor) -> None:
         runner = self.runner
-        params, g = runner.params, p.num_streams
-        valid = p.anchors >= 0
-        idx = p.anchors.clamp(min=0)
-        s = init_streams(msa_input[idx], params.stream_embeddings[:g], params.init_a, params.init_b)
-        p.s = s.reshape(-1, s.shape[-1])
-        anchor_pos = p.batch.positions[idx].long()
-        p.flat_pos = stream_position_ids(anchor_pos, g, runner.config.stream_position).flatten()
-        ctx_len = torch.where(valid, anchor_pos + 1, torch.zeros_like(anchor_pos)).max(dim=1).values
-        p.context_len = max(int(ctx_len.max()), 1)
-        r = p.anchors.shape[0]
-        context = torch.arange(p.context_len)[None, :].expand(r, p.context_len)
-        context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
-        main_mask = anchor_main_mask(anchor_pos, torch.arange(p.context_len)) & valid[..., None]
-        p.mask = joint_attention_mask(main_mask, g)
-        p.kv_index = runner.main_kv_index(p.batch, context)
+        p.start = runner.start(msa_input, p.batch, p.anchors, p.num_streams)
+        p.s = p.start.s
         p.pending = rms_norm(p.s, runner.layers[0].input_layernorm)
         p.stage = "qkv"
 
     def _after_qkv(self, p: _Pass, i: int, qkv: Tensor) -> None:
-        attn = self.runner.layers[i].self_attn
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = attn.rotary_emb(p.flat_pos, q, k)
-        p.qkv, p.pending, p.stage = (q, k, v), None, "o"
+        p.qkv = self.runner.rotated_qkv(self.runner.layers[i], qkv, p.start.flat_pos)
+        p.pending, p.stage = None, "o"
 
     def _attention(self, p: _Pass, i: int) -> None:
         """Before ``o_proj``: vLLM has written this layer's keys for the step; the streams
         attend to them and to their own anchor's streams."""
-        layer = self.runner.layers[i]
-        attn = layer.self_attn
-        h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        r, a = p.anchors.shape
-        g = p.num_streams
-        q, k, v = (
-            x.reshape(r, a * g, h, d).transpose(1, 2) for x, h in zip(p.qkv, (h_q, h_kv, h_kv))
-        )
-        k_main, v_main = self.runner.main_kv(layer, p.kv_index, r, p.context_len)
-        o = joint_stream_attention(q, k_main, v_main, k, v, p.mask, attn.scaling)
-        p.pending = o.transpose(1, 2).reshape(r * a * g, h_q * d)
+        p.pending = self.runner.attend(self.runner.layers[i], *p.qkv, p.start)
         p.qkv = None
 
     def _after_o(self, p: _Pass, i: int, y: Tensor) -> None:

@@ -34,6 +34,7 @@ from vllm_specstream.config import ConfigError
 from vllm_specstream.logger import init_logger
 from vllm_specstream.merged_checkpoint import base_architecture, read_specstream_section
 from vllm_specstream.model_executor.forward_batch import (
+    ForwardBatch,
     attention_layer_name,
     current_forward_batch,
     no_forward_batch_reason,
@@ -111,7 +112,8 @@ class SpecStreamMixin:
         #: trace the wrappers); else they run in a second pass after it.
         self._eager = vllm_config.model_config.enforce_eager
         self._fused: FusedStreams | None = None
-        #: ``(stash, anchors, stream rows)`` waiting for ``compute_logits`` (fused pass).
+        #: ``(stash, anchors, stream states [R, A, G, h])`` waiting for ``compute_logits``
+        #: (fused pass).
         self._pending_streams: tuple | None = None
 
     def default_placement(self) -> str:
@@ -179,12 +181,14 @@ class SpecStreamMixin:
         return weight[: self.config.vocab_size]
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        batch = None
         if self.num_speculative_tokens > 0:
             # A new step: whatever an earlier forward left is stale from here on.
             self.forward_step += 1
             self.stash = None
             self.no_stash_reason = "the forward ended before the stream pass"
-        fused = self._begin_fused(positions)
+            batch = current_forward_batch(self._layer_name, positions)
+        fused = self._begin_fused(batch)
         try:
             out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         finally:
@@ -193,25 +197,30 @@ class SpecStreamMixin:
             return out
         hidden, aux = out
         if self.num_speculative_tokens > 0:
-            self._after_main(aux[0], positions, input_ids, streams)
+            self._after_main(aux[0], positions, input_ids, batch, streams)
         return hidden
 
-    def _begin_fused(self, positions: torch.Tensor) -> bool:
+    def _begin_fused(self, batch: ForwardBatch | None) -> bool:
         """Start a fused window pass for this forward if there is one to run."""
         self._pending_streams = None
-        if self._fused is None or self.placement != "window" or self.window_streams <= 0:
+        if batch is None or self._fused is None:
             return False
-        batch = current_forward_batch(self._layer_name, positions)
-        if batch is None:
+        if self.placement != "window" or self.window_streams <= 0:
             return False
         anchors = last_window_anchors(batch, self.num_speculative_tokens + 1)
         self._fused.begin(batch, anchors, self.window_streams)
         return self._fused.active is not None
 
     def _after_main(
-        self, msa_input: torch.Tensor, positions: torch.Tensor, input_ids, streams=None
+        self,
+        msa_input: torch.Tensor,
+        positions: torch.Tensor,
+        input_ids,
+        batch: ForwardBatch | None,
+        streams: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
-        batch = current_forward_batch(self._layer_name, positions)
+        """The stash of this forward (``batch``: its requests; ``streams``: the fused
+        pass's anchors and stream states, if it ran)."""
         if batch is None:
             self.no_stash_reason = (
                 f"the stream pass found no forward batch for layer {self._layer_name}: "
@@ -224,9 +233,7 @@ class SpecStreamMixin:
         self.stash = self.last_stash = stash
         self.no_stash_reason = None
         if streams is not None:  # fused: the LM head runs with the main rows
-            anchors, hidden = streams
-            valid = anchors >= 0
-            self._pending_streams = (stash, anchors, hidden[valid].reshape(-1, hidden.shape[-1]))
+            self._pending_streams = (stash, *streams)
         elif self.placement == "window" and self.window_streams > 0:
             self._run_streams(
                 stash,
@@ -279,15 +286,12 @@ class SpecStreamMixin:
         pending, self._pending_streams = self._pending_streams, None
         if pending is None:
             return super().compute_logits(hidden_states)
-        stash, anchors, rows = pending
+        stash, anchors, hidden = pending
+        rows = hidden[anchors >= 0].reshape(-1, hidden.shape[-1])
         n = hidden_states.shape[0]
         logits = super().compute_logits(torch.cat((hidden_states, rows.to(hidden_states.dtype))))
-        if logits is None:  # tensor-parallel ranks other than the first
-            stash.drafting_rank = False
-            return None
-        g = rows.shape[0] // int((anchors >= 0).sum())
-        self._write_drafts(stash, anchors, logits[n:], g)
-        return logits[:n]
+        self._write_drafts(stash, anchors, None if logits is None else logits[n:], hidden.shape[2])
+        return None if logits is None else logits[:n]
 
     def _write_drafts(self, stash: StreamStash, anchors: torch.Tensor, logits, g: int) -> None:
         """Top-1 tokens of ``g`` streams at each valid anchor (``logits`` of their rows, in

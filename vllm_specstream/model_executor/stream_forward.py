@@ -14,6 +14,8 @@ copies (:mod:`vllm_specstream.model_executor.stream_weights`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,8 +86,28 @@ def rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight.to(x.dtype), norm.variance_epsilon)
 
 
+@dataclass
+class StreamStart:
+    """What every MSA layer of one stream pass shares."""
+
+    s: Tensor
+    """The streams entering L0, ``[R * A * G, h]`` (rows: request, anchor, stream)."""
+    shape: torch.Size
+    """``[R, A, G, h]``."""
+    flat_pos: Tensor
+    """Rotary position of each row."""
+    mask: Tensor
+    """:func:`~vllm_specstream.stream_math.joint_attention_mask` of the pass."""
+    kv_index: tuple[Tensor, Tensor, int]
+    """Flat cache indices of the main keys/values the streams read."""
+    context_len: int
+    """Main key positions read per request."""
+
+
 class StreamRunner:
-    """Runs the streams for a batch of anchors through the model's MSA layers."""
+    """Runs the streams for a batch of anchors through the model's MSA layers (a pass of
+    its own here; :mod:`~vllm_specstream.model_executor.fused_streams` runs the same steps
+    inside the main forward)."""
 
     def __init__(
         self,
@@ -141,22 +163,19 @@ class StreamRunner:
         v = torch.take(kv_cache, v_idx).view(r, p, heads, -1).transpose(1, 2)
         return k, v
 
-    @torch.no_grad()
-    def __call__(
+    def start(
         self, msa_input: Tensor, batch: ForwardBatch, anchors: Tensor, num_streams: int = 0
-    ) -> Tensor:
-        """Stream hidden states after the final norm, ``[R, A, G, h]``, at ``anchors``
-        (``[R, A]`` flat token indices into ``msa_input``, -1 pads), for the first
-        ``num_streams`` streams (0: all). Stream ``j`` attends to streams ``<= j`` only, so
-        the first ``G`` streams alone are exactly the first ``G`` of all."""
+    ) -> StreamStart:
+        """The first ``num_streams`` streams (0: all) at ``anchors`` (``[R, A]`` flat token
+        indices into ``msa_input``, -1 pads), and what every layer needs for them. Stream
+        ``j`` attends to streams ``<= j`` only, so the first ``G`` streams alone are exactly
+        the first ``G`` of all."""
         valid = anchors >= 0
         idx = anchors.clamp(min=0)
         g = min(num_streams or self.config.num_streams, self.config.num_streams)
-        r, a = anchors.shape
+        r = anchors.shape[0]
         p = self.params
         s = init_streams(msa_input[idx], p.stream_embeddings[:g], p.init_a, p.init_b)
-        shape = s.shape
-        s = s.reshape(-1, shape[-1])  # rows (request, anchor, stream)
         anchor_pos = batch.positions[idx].long()  # [R, A]
         flat_pos = stream_position_ids(anchor_pos, g, self.config.stream_position).flatten()
         # Main context of each request: positions 0..(last anchor position).
@@ -165,20 +184,50 @@ class StreamRunner:
         context = torch.arange(p_max)[None, :].expand(r, p_max)
         context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
         main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
-        mask = joint_attention_mask(main_mask, g)  # shared by every layer
-        kv_index = self.main_kv_index(batch, context)
+        return StreamStart(
+            s=s.reshape(-1, s.shape[-1]),
+            shape=s.shape,
+            flat_pos=flat_pos,
+            mask=joint_attention_mask(main_mask, g),
+            kv_index=self.main_kv_index(batch, context),
+            context_len=p_max,
+        )
+
+    @staticmethod
+    def rotated_qkv(layer, qkv: Tensor, flat_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A layer's ``qkv_proj`` output for the stream rows, split, with rotary applied."""
+        attn = layer.self_attn
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k = attn.rotary_emb(flat_pos, q, k)
+        return q, k, v
+
+    def attend(self, layer, q: Tensor, k: Tensor, v: Tensor, start: StreamStart) -> Tensor:
+        """Multi-stream attention of the stream rows in ``layer`` over the main keys/values
+        in the paged cache and their own anchor's streams; ``[N, heads * head_dim]``, the
+        input of ``o_proj``."""
+        attn = layer.self_attn
+        h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        r, a, g = start.shape[:3]
+        q = q.reshape(r, a * g, h_q, d).transpose(1, 2)
+        k = k.reshape(r, a * g, h_kv, d).transpose(1, 2)
+        v = v.reshape(r, a * g, h_kv, d).transpose(1, 2)
+        k_main, v_main = self.main_kv(layer, start.kv_index, r, start.context_len)
+        o = joint_stream_attention(q, k_main, v_main, k, v, start.mask, attn.scaling)
+        return o.transpose(1, 2).reshape(r * a * g, h_q * d)
+
+    @torch.no_grad()
+    def __call__(
+        self, msa_input: Tensor, batch: ForwardBatch, anchors: Tensor, num_streams: int = 0
+    ) -> Tensor:
+        """Stream hidden states after the final norm, ``[R, A, G, h]``, at ``anchors``
+        (see :meth:`start`)."""
+        start = self.start(msa_input, batch, anchors, num_streams)
+        s = start.s
         for layer, mm in zip(self.layers, self.weights.layers):
-            attn = layer.self_attn
-            h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            qkv = mm.qkv(rms_norm(s, layer.input_layernorm))
-            q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-            q, k = attn.rotary_emb(flat_pos, q, k)
-            q = q.reshape(r, a * g, h_q, d).transpose(1, 2)
-            k = k.reshape(r, a * g, h_kv, d).transpose(1, 2)
-            v = v.reshape(r, a * g, h_kv, d).transpose(1, 2)
-            k_main, v_main = self.main_kv(layer, kv_index, r, p_max)
-            o = joint_stream_attention(q, k_main, v_main, k, v, mask, attn.scaling)
-            s = s + mm.o(o.transpose(1, 2).reshape(r * a * g, h_q * d))
+            q, k, v = self.rotated_qkv(
+                layer, mm.qkv(rms_norm(s, layer.input_layernorm)), start.flat_pos
+            )
+            s = s + mm.o(self.attend(layer, q, k, v, start))
             x = rms_norm(s, layer.post_attention_layernorm)
             s = s + mm.down(layer.mlp.act_fn(mm.gate_up(x)))
-        return rms_norm(s, self.model.model.norm).view(shape)
+        return rms_norm(s, self.model.model.norm).view(start.shape)

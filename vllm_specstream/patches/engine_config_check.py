@@ -55,8 +55,7 @@ def _checkpoint_dtype(engine_args) -> str | None:
         return None
     spec = engine_args.speculative_config
     spec = spec if isinstance(spec, dict) else {}
-    hf = type("HF", (), {"architectures": config.get("architectures")})
-    if not serves_specstream(hf, spec.get("method"), spec.get("model")):
+    if not serves_specstream(config.get("architectures"), spec.get("method"), spec.get("model")):
         return None
     return str(config.get("torch_dtype") or config.get("dtype") or "")
 
@@ -80,8 +79,9 @@ def _advise_dtype(engine_args, vllm_config=None) -> None:
     else:
         spec = vllm_config.speculative_config
         model_config = vllm_config.model_config
+        architectures = getattr(model_config.hf_config, "architectures", None)
         if requested == "auto" or not serves_specstream(
-            model_config.hf_config, getattr(spec, "method", None), getattr(spec, "model", None)
+            architectures, getattr(spec, "method", None), getattr(spec, "model", None)
         ):
             return
         dtype, message = dtype_advice(str(model_config.dtype).removeprefix("torch."), requested)
