@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup base demo demo-adapter test test-fast lint clean-venv
+.PHONY: setup base demo demo-adapter suffix-decoding test test-fast lint clean-venv
 
 setup:  ## create .venv and install everything (idempotent; seconds when done)
 	@bash scripts/setup.sh
@@ -29,3 +29,6 @@ clean-venv:
 
 demo-adapter: base  ## retrain the demo SQL adapter and its ntp baseline (~1-2 h on 2 cores)
 	@bash scripts/demo_adapter.sh runs
+
+suffix-decoding: setup  ## build vLLM's suffix method's dependency (arctic-inference) for `specstream bench`
+	@bash scripts/suffix_decoding.sh

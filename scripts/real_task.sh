@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Trains, on one real task, the three models that share data and budget: the specstream
-# adapter, the next-token (ntp) LoRA baseline and Medusa heads; then merges and evaluates
-# them on the task file's held-out validation split (cut by group, seed 0).
+# adapter, the next-token (ntp) LoRA baseline and Medusa heads (on the merged specstream
+# checkpoint, the model they would serve); merges and evaluates them on the task file's
+# held-out validation split (cut by group, seed 0) and writes the adapter's model card.
 #   bash scripts/real_task.sh sql|e2e|dialogsum DATA_FILE [RUNS_DIR] [STEPS]
-# Resumable: run it again and every run continues from its last checkpoint.
+# Resumable: run it again and every run continues from its last checkpoint; finished
+# exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs.
 # SPECSTREAM_TRAIN_CORE=N pins the training to one core (1 thread), leaving the other free.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,9 +28,34 @@ fi
 COMMON=(--task "$TASK" --data "$DATA" --num-streams 4 --num-msa-layers "$MSA" --lora-rank 32
     --lora-layers msa --batch-size 8 --lr 5e-4 --max-length "$MAXLEN" --steps "$STEPS"
     --eval-every 100 --save-every 20 --num-eval 48)
-for objective in ${OBJECTIVES:-specstream ntp medusa}; do
-    extra=()
-    [ "$objective" = specstream ] && extra=(--init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2)
-    "${RUN[@]}" $BIN/specstream train --out "$RUNS/$TASK-$objective" --objective "$objective" \
-        "${COMMON[@]}" "${extra[@]}"
-done
+OBJECTIVES=${OBJECTIVES:-specstream ntp medusa}
+R="$RUNS/$TASK"
+EVAL=(--task "$TASK" --data "$DATA" --split val)
+has() { [[ " $OBJECTIVES " == *" $1 "* ]]; }
+if has specstream; then
+    "${RUN[@]}" $BIN/specstream train --out "$R-specstream" --objective specstream "${COMMON[@]}" \
+        --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2
+    [ -f "$R-specstream-merged/config.json" ] ||
+        $BIN/specstream export "$R-specstream" "$R-specstream-merged" --merge
+    [ -s "$R-specstream-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+        --checkpoint "$R-specstream-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-specstream-eval.json"
+fi
+if has ntp; then
+    "${RUN[@]}" $BIN/specstream train --out "$R-ntp" --objective ntp "${COMMON[@]}"
+    [ -f "$R-ntp-merged/config.json" ] || $BIN/specstream export "$R-ntp" "$R-ntp-merged" --merge
+    # The baseline has no trained streams: only its task metric matters (chain only).
+    [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+        --checkpoint "$R-ntp-merged" "${EVAL[@]}" --tree-top-k 0 | tail -n 1 > "$R-ntp-eval.json"
+fi
+if has medusa; then
+    # Heads for the served specstream checkpoint (frozen): what `specstream bench --medusa` runs.
+    "${RUN[@]}" $BIN/specstream train --out "$R-medusa" --objective medusa \
+        --base "$R-specstream-merged" "${COMMON[@]}"
+fi
+if [ -s "$R-specstream-eval.json" ]; then
+    baseline=()
+    [ -s "$R-ntp-eval.json" ] && baseline=(--baseline "$R-ntp-eval.json")
+    $BIN/python -m vllm_specstream.training.model_card "$R-specstream" \
+        --eval "$R-specstream-eval.json" "${baseline[@]}" \
+        --command "bash scripts/real_task.sh $TASK $DATA RUNS $STEPS"
+fi

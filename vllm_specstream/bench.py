@@ -1,4 +1,4 @@
-"""``specstream bench``: plain vLLM vs ngram vs Medusa vs speculative streaming, one run.
+"""``specstream bench``: plain vLLM vs ngram, suffix, Medusa and speculative streaming, one run.
 
 Every method serves the same checkpoint (Medusa adds its heads on top) with the same
 prompts, engine settings, batch sizes and temperatures. Each method runs in its own child
@@ -10,7 +10,10 @@ other round, and reports per cell the median over rounds of each round's speedup
 Reported per (method, temperature, batch size): output tokens/s (median over the batches
 of all repeats), ``speedup`` vs plain, ``tokens_per_step`` (1 + accepted drafts per
 drafting step, vLLM's counters), ``cr_ratio`` (output tokens per target forward pass of a
-request; plain = 1.0), ``lossless`` (greedy only: token-identical to plain at the same
+request; plain = 1.0), ``ttft_ms`` and ``tpot_ms`` (medians over requests of the time to the
+first token and of the decoding time per further output token, from vLLM's per-request
+timestamps) and ``decode_speedup`` (plain's ``tpot_ms`` over the method's: the speedup of
+decoding alone, without the prefill that speculation cannot shorten), ``lossless`` (greedy only: token-identical to plain at the same
 batch size), ``extra_params`` (parameters over the served checkpoint).
 """
 
@@ -32,7 +35,13 @@ logger = init_logger(__name__)
 
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
 #: off): the row that shows where speculation stops paying.
-METHODS = ("plain", "ngram", "medusa", "specstream", "specstream-fixed")
+METHODS = ("plain", "ngram", "suffix", "medusa", "specstream", "specstream-fixed")
+
+#: Where ``make suffix-decoding`` installs arctic-inference's suffix tree (vLLM's ``suffix``
+#: method); put on the engines' ``PYTHONPATH`` when present.
+SUFFIX_DECODING_DIR = Path(
+    os.environ.get("SPECSTREAM_SUFFIX_DECODING", "~/.cache/vllm-specstream/suffix-decoding")
+).expanduser()
 
 #: vLLM's CPU worker thread binding (``auto``: all cores but one, kept for the front-end).
 OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -97,6 +106,8 @@ class BenchConfig:
             raise ValueError(
                 "--methods includes medusa but --medusa (the heads' directory) is not given"
             )
+        if "suffix" in self.methods:
+            check_suffix_decoding()
         if self.medusa and not (Path(self.medusa) / "config.json").is_file():
             raise ValueError(f"--medusa {self.medusa}: no config.json (a Medusa checkpoint?)")
         if not (Path(self.checkpoint) / "config.json").is_file():
@@ -111,6 +122,27 @@ class BenchConfig:
             select_split(
                 load_task_data(self.task, self.data), self.split, self.val_fraction, self.split_seed
             )
+
+
+def has_suffix_decoding() -> bool:
+    """vLLM's ``suffix`` method imports arctic-inference's suffix tree in the engine."""
+    import importlib.util
+
+    if (SUFFIX_DECODING_DIR / "arctic_inference" / "suffix_decoding").is_dir():
+        return True
+    try:
+        return importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def check_suffix_decoding() -> None:
+    if not has_suffix_decoding():
+        raise ValueError(
+            "--methods suffix needs arctic-inference's suffix decoding, which is not "
+            f"importable here nor in {SUFFIX_DECODING_DIR}; `make suffix-decoding` builds it "
+            "for this CPU, or drop suffix from --methods"
+        )
 
 
 def medusa_heads(medusa_dir: str) -> int:
@@ -132,6 +164,9 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
             "prompt_lookup_min": lo,
             "prompt_lookup_max": hi,
         }
+    if method == "suffix":
+        # Suffix decoding (arctic-inference): a suffix tree over the prompt and past outputs.
+        return {"method": "suffix", "num_speculative_tokens": k}
     if method == "medusa":
         return {
             "method": "medusa",
@@ -215,6 +250,15 @@ def _counters(llm) -> dict[str, float]:
     }
 
 
+def request_timing(output) -> tuple[float, float | None]:
+    """``(time to first token, decoding seconds per further output token or None)`` of one
+    finished request, from vLLM's per-request stats (``RequestOutput.metrics``)."""
+    stats = output.metrics
+    n = stats.num_generation_tokens
+    per_token = (stats.last_token_ts - stats.first_token_ts) / (n - 1) if n > 1 else None
+    return stats.first_token_latency, per_token
+
+
 def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
     """Run every (temperature, batch size) cell of ``method`` on one engine."""
     from transformers import AutoTokenizer
@@ -236,7 +280,7 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
         params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens)
         for batch_size in cfg.batch_sizes:
             before = _counters(llm)
-            rates, tokens, out_tokens = [], None, 0
+            rates, tokens, out_tokens, ttft, tpot = [], None, 0, [], []
             for repeat in range(cfg.repeats):
                 run_tokens = []
                 for g in groups(len(prompts), batch_size):
@@ -247,6 +291,11 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
                     rates.append(n / elapsed)
                     out_tokens += n
                     run_tokens += [list(o.outputs[0].token_ids) for o in outs]
+                    for o in outs:
+                        first, per_token = request_timing(o)
+                        ttft.append(first)
+                        if per_token is not None:
+                            tpot.append(per_token)
                     emit("PROGRESS")
                 if repeat == 0:
                     tokens = run_tokens
@@ -265,6 +314,8 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
                     "drafts": drafts,
                     "draft_tokens": draft_tokens,
                     "accepted": accepted,
+                    "ttft_s": ttft,
+                    "tpot_s": tpot,
                 }
             )
     llm.llm_engine.engine_core.shutdown()
@@ -288,6 +339,10 @@ def _emit(line: str) -> None:
 def engine_env(cfg: BenchConfig) -> dict[str, str]:
     """The environment of every method's child process."""
     env = dict(os.environ)
+    if "suffix" in cfg.methods and SUFFIX_DECODING_DIR.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(SUFFIX_DECODING_DIR), env.get("PYTHONPATH")) if p
+        )
     if cfg.omp_threads_bind:
         env[OMP_BIND] = cfg.omp_threads_bind
     return env
@@ -341,6 +396,8 @@ def summarize(results: dict[str, dict], cfg: BenchConfig) -> list[dict]:
             ref = plain[(c["temperature"], c["batch_size"])]
             tok_s = statistics.median(c["rates"])
             passes = c["output_tokens"] - c["accepted"]
+            tpot = _median_ms(c.get("tpot_s"))
+            ref_tpot = _median_ms(ref.get("tpot_s"))
             rows.append(
                 {
                     "method": method,
@@ -356,11 +413,18 @@ def summarize(results: dict[str, dict], cfg: BenchConfig) -> list[dict]:
                     "drafted_per_token": round(c.get("draft_tokens", 0.0) / c["output_tokens"], 3)
                     if c["output_tokens"]
                     else 0.0,
+                    "ttft_ms": _median_ms(c.get("ttft_s")),
+                    "tpot_ms": tpot,
+                    "decode_speedup": round(ref_tpot / tpot, 3) if tpot and ref_tpot else None,
                     "lossless": (c["tokens"] == ref["tokens"]) if c["temperature"] == 0 else None,
                     "extra_params": extra,
                 }
             )
     return rows
+
+
+def _median_ms(seconds: list[float] | None) -> float | None:
+    return round(1e3 * statistics.median(seconds), 2) if seconds else None
 
 
 def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
@@ -371,8 +435,9 @@ def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
     rows = []
     for cells in zip(*per_round):
         first = dict(cells[0])
-        for key in ("tok_s", "speedup"):
-            first[key] = round(statistics.median(c[key] for c in cells), 3)
+        for key in ("tok_s", "speedup", "ttft_ms", "tpot_ms", "decode_speedup"):
+            values = [c[key] for c in cells if c.get(key) is not None]
+            first[key] = round(statistics.median(values), 3) if values else None
         for key in ("tokens_per_step", "cr_ratio", "drafted_per_token"):
             first[key] = round(statistics.fmean(c[key] for c in cells), 3)
         if first["lossless"] is not None:
@@ -384,18 +449,26 @@ def combine_rounds(per_round: list[list[dict]]) -> list[dict]:
 
 def markdown_table(rows: list[dict]) -> str:
     head = (
-        "| method | T | batch | tok/s | speedup | tokens_per_step | cr_ratio | lossless | "
-        "extra_params |\n|---|---|---|---|---|---|---|---|---|\n"
+        "| method | T | batch | tok/s | speedup | TTFT ms | TPOT ms | decode speedup | "
+        "tokens_per_step | cr_ratio | lossless | extra_params |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lossless = {True: "yes", False: "**no**", None: "n/a"}[r["lossless"]]
+        ms = [_fmt(r.get(key), "{:.1f}") for key in ("ttft_ms", "tpot_ms")]
+        decode = _fmt(r.get("decode_speedup"), "{:.2f}x")
         lines.append(
             f"| {r['method']} | {r['temperature']:g} | {r['batch_size']} | {r['tok_s']:.2f} | "
-            f"{r['speedup']:.2f}x | {r['tokens_per_step']:.2f} | {r['cr_ratio']:.2f} | "
+            f"{r['speedup']:.2f}x | {ms[0]} | {ms[1]} | {decode} | "
+            f"{r['tokens_per_step']:.2f} | {r['cr_ratio']:.2f} | "
             f"{lossless} | {r['extra_params']:,} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else spec.format(value)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

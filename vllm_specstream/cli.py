@@ -216,6 +216,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         model, tokenizer, args.task, cases, args.max_new_tokens, args.tree_top_k
     )
     result["checkpoint"] = str(args.checkpoint)
+    if args.data:
+        result["data"] = {
+            "file": args.data,
+            "split": args.split,
+            "val_fraction": args.val_fraction,
+            "split_seed": args.split_seed,
+        }
     print(json.dumps(result))
     return 0
 
@@ -242,7 +249,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from vllm_specstream.bench import METHODS, BenchConfig, run_bench
+    from vllm_specstream.bench import METHODS, BenchConfig, has_suffix_decoding, run_bench
 
     try:
         cfg = BenchConfig(
@@ -251,7 +258,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             methods=tuple(m for m in args.methods.split(",") if m)
             if args.methods
             else tuple(
-                m for m in METHODS if m != "specstream-fixed" and (args.medusa or m != "medusa")
+                m
+                for m in METHODS
+                if m != "specstream-fixed"
+                and (args.medusa or m != "medusa")
+                and (has_suffix_decoding() or m != "suffix")
             ),
             medusa=args.medusa,
             task=args.task,
@@ -442,20 +453,23 @@ def _add_training_parsers(sub) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="plain vLLM vs ngram vs Medusa vs specstream: tok/s, speedup, tokens/step",
+        help="plain vLLM vs ngram, suffix, Medusa, specstream: tok/s, speedup, TTFT/TPOT",
         description="Serve one merged specstream checkpoint with each method (plain, vLLM "
-        "ngram, vLLM medusa with heads trained by `specstream train --objective medusa --base "
-        "CKPT`, specstream), same prompts, batch sizes and temperatures, one fresh engine per "
-        "method, in one run. Prints a Markdown table and writes OUT/bench.json, bench.md and "
-        "bench.png (speedup vs batch size per method).",
+        "ngram, vLLM suffix decoding (needs arctic-inference), vLLM medusa with heads trained "
+        "by `specstream train --objective medusa --base CKPT`, specstream), same prompts, batch "
+        "sizes and temperatures, one fresh engine per method, in one run. Prints a Markdown "
+        "table (tok/s, speedup, time to first token, decoding ms per output token, tokens per "
+        "step, lossless) and writes OUT/bench.json, bench.md and bench.png (speedup vs batch "
+        "size per method).",
         formatter_class=defaults,
     )
     p.add_argument("checkpoint", help="merged specstream checkpoint (specstream export --merge)")
     p.add_argument("--medusa", help="Medusa heads directory (needed for the medusa method)")
     p.add_argument(
         "--methods",
-        help="comma-separated, from plain,ngram,medusa,specstream,specstream-fixed (the "
-        "adaptive policy off) (default: all but specstream-fixed; medusa only with --medusa)",
+        help="comma-separated, from plain,ngram,suffix,medusa,specstream,specstream-fixed (the "
+        "adaptive policy off) (default: all but specstream-fixed; medusa only with --medusa, "
+        "suffix only where arctic-inference is importable)",
     )
     p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
     p.add_argument("--data", help=_DATA_HELP)

@@ -17,6 +17,7 @@ from vllm_specstream.bench import (
     groups,
     markdown_table,
     plot,
+    request_timing,
     speculative_config_for,
     steps_per_method,
     summarize,
@@ -58,6 +59,10 @@ def test_speculative_configs_and_extra_params(dirs):
     assert speculative_config_for("plain", cfg) is None
     assert speculative_config_for("ngram", cfg)["prompt_lookup_max"] == 4
     assert speculative_config_for("medusa", cfg)["num_speculative_tokens"] == 3  # 3 heads
+    assert speculative_config_for("suffix", cfg) == {
+        "method": "suffix",
+        "num_speculative_tokens": 4,
+    }
     assert speculative_config_for("specstream", cfg)["method"] == "custom_class"
     fixed = speculative_config_for("specstream-fixed", cfg)
     assert fixed["num_speculative_tokens_per_batch_size"] == [(1, 1 << 16, 4)]
@@ -65,6 +70,27 @@ def test_speculative_configs_and_extra_params(dirs):
     assert extra_params("specstream", cfg) == 32
     assert extra_params("medusa", cfg) == 64  # blocks only: the LM head is the target's
     assert extra_params("ngram", cfg) == 0
+
+
+def test_request_timing_from_vllm_stats():
+    from types import SimpleNamespace
+
+    from vllm.v1.metrics.stats import RequestStateStats
+
+    stats = RequestStateStats(num_generation_tokens=5, first_token_ts=10.0, last_token_ts=10.4)
+    stats.first_token_latency = 0.25
+    ttft, tpot = request_timing(SimpleNamespace(metrics=stats))
+    assert ttft == 0.25 and tpot == pytest.approx(0.1)  # 4 tokens after the first in 0.4 s
+    stats.num_generation_tokens = 1
+    assert request_timing(SimpleNamespace(metrics=stats))[1] is None
+
+
+def test_suffix_needs_arctic_inference(dirs, monkeypatch):
+    import vllm_specstream.bench as bench
+
+    monkeypatch.setattr(bench, "has_suffix_decoding", lambda: False)
+    with pytest.raises(ValueError, match="--methods suffix needs arctic-inference"):
+        BenchConfig(checkpoint=str(dirs[0]), methods=("suffix",))
 
 
 def test_groups_and_progress_steps(dirs):
@@ -75,8 +101,10 @@ def test_groups_and_progress_steps(dirs):
     assert steps_per_method(cfg) == 1 + (5 + 3) * 2
 
 
-def _cell(t, b, rates, tokens, out, drafts=0.0, accepted=0.0):
+def _cell(t, b, rates, tokens, out, drafts=0.0, accepted=0.0, tpot=(0.05,)):
     return {
+        "ttft_s": [0.2, 0.3, 0.4],
+        "tpot_s": list(tpot),
         "temperature": t,
         "batch_size": b,
         "rates": rates,
@@ -96,7 +124,7 @@ def test_summary_speedup_tokens_per_step_cr_ratio_lossless(dirs, tmp_path):
         },
         "specstream": {
             "cells": [
-                _cell(0.0, 1, [20, 24, 22], [[1, 2]], 30, drafts=10, accepted=20),
+                _cell(0.0, 1, [20, 24, 22], [[1, 2]], 30, drafts=10, accepted=20, tpot=(0.02,)),
                 _cell(0.7, 1, [15], [[6]], 30, drafts=10, accepted=5),
             ]
         },
@@ -107,12 +135,18 @@ def test_summary_speedup_tokens_per_step_cr_ratio_lossless(dirs, tmp_path):
     assert greedy["cr_ratio"] == 3.0  # 30 tokens in 10 forward passes
     assert greedy["drafted_per_token"] == round(40 / 30, 3)  # 4 drafts per drafting step
     assert greedy["lossless"] is True and greedy["extra_params"] == 32
+    # Decoding alone: plain's 50 ms per token over 20 ms; the prefill share shows in TTFT.
+    assert greedy["tpot_ms"] == 20.0 and greedy["decode_speedup"] == 2.5
+    assert greedy["ttft_ms"] == 300.0
     assert rows[("specstream", 0.7)]["lossless"] is None  # sampled: checked by a test instead
     assert rows[("plain", 0.0)]["speedup"] == 1.0 and rows[("plain", 0.0)]["cr_ratio"] == 1.0
     results["specstream"]["cells"][0]["tokens"] = [[1, 3]]
     assert not [r for r in summarize(results, cfg) if r["temperature"] == 0][1]["lossless"]
     table = markdown_table(summarize(results, cfg))
-    assert "| specstream | 0 | 1 | 22.00 | 2.00x | 3.00 | 3.00 | **no** | 32 |" in table
+    row = (
+        "| specstream | 0 | 1 | 22.00 | 2.00x | 300.0 | 20.0 | 2.50x | 3.00 | 3.00 | **no** | 32 |"
+    )
+    assert row in table
     plot(summarize(results, cfg), tmp_path / "bench.png", "title")
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 

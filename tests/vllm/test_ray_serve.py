@@ -171,9 +171,10 @@ def test_requests_spread_over_both_replicas(ray_run):
     served = [i["served"] for i in infos.values()]
     assert min(served) >= 1 and sum(served) == len(ray_run["http_requests"]), infos
     assert len({i["pid"] for i in infos.values()}) == 2, infos
-    # Each replica's engine computes on a core of its own.
+    # Each replica's engine computes on a core of its own (where this process may use two).
     binds = {i["omp_bind"] for i in infos.values()}
-    assert len(binds) == 2 and {int(b) for b in binds} <= os.sched_getaffinity(0), infos
+    assert {int(b) for b in binds} <= os.sched_getaffinity(0), infos
+    assert len(binds) == min(2, len(os.sched_getaffinity(0))), infos
     for info in infos.values():
         assert info["plugin_loaded"], info  # the entry point ran in the replica process
         assert info["speculative_config"] == {

@@ -27,6 +27,20 @@ def _train_summary(adapter_dir: Path) -> tuple[dict, float | None]:
     return args, wall
 
 
+def _measured_on(result: dict) -> str:
+    data = result.get("data")
+    if not data:
+        return "the held-out test split of the built-in task"
+    if data["split"] == "all":
+        return f"every record of `{data['file']}`"
+    return (
+        f"the {data['split']} split of `{data['file']}` (cut by group, val_fraction "
+        f"{data['val_fraction']}, seed {data['split_seed']}; never trained on)"
+        if data["split"] == "val"
+        else f"the {data['split']} split of `{data['file']}`"
+    )
+
+
 def write_model_card(
     adapter_dir: str | Path,
     command: str,
@@ -70,7 +84,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | learning rates | LoRA {args["lr"]}, stream embeddings {args["stream_lr"]} |
 | wall time | {wall_text} of training (sum over resumed runs; shared CPU) on {describe_machine()} |
 {"" if not note else chr(10) + note + chr(10)}
-## Measured on the held-out test split ({result["num_prompts"]} prompts, greedy)
+## Measured on {_measured_on(result)} ({result["num_prompts"]} prompts, greedy)
 
 | metric | value |
 |---|---|
