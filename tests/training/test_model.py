@@ -116,3 +116,23 @@ def test_unsupported_architecture_is_refused():
 def test_too_many_msa_layers_is_refused():
     with pytest.raises(ConfigError, match="num_msa_layers is 9 but the model has only 4"):
         SpecStreamModel(tiny_llama(), SpecStreamConfig(num_msa_layers=9))
+
+
+@pytest.mark.parametrize(("init_rank", "prune"), [(0, False), (4, False), (4, True)])
+def test_stream_tensors_are_the_configs(init_rank, prune):
+    """Names and shapes come from ``SpecStreamConfig.stream_tensor_shapes`` (as in checkpoints
+    and in vLLM); the adapters start as the identity (B = 0), absent ones read as None."""
+    from vllm_specstream.config import PruneConfig
+
+    config = SpecStreamConfig(
+        num_streams=3, num_msa_layers=2, init_rank=init_rank, prune=PruneConfig(enabled=prune)
+    )
+    model = SpecStreamModel(tiny_llama(), config)
+    params = model.stream_parameters()
+    assert {n: tuple(p.shape) for n, p in params.items()} == config.stream_tensor_shapes(64)
+    assert all(p.requires_grad for p in params.values())
+    for name in ("init_a", "init_b", "prune_a", "prune_b"):
+        assert (getattr(model, name) is None) == (name not in params)
+    for name in ("init_b", "prune_b"):
+        if name in params:
+            assert not params[name].any() and params[name.replace("_b", "_a")].any()

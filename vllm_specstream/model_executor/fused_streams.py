@@ -10,9 +10,11 @@ vLLM's own layer modules run unchanged for the main rows. :class:`FusedStreams` 
 four projections of each MSA layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj``) and the first MSA layer's input norm: while a pass is active, each
 projection call multiplies ``[main rows; stream rows]`` in one call, hands the main rows
-back to vLLM, and advances the streams between the calls (rotary, the multi-stream
-attention over the paged cache after vLLM has written this step's keys, residuals, norms,
-activation), exactly the math of :class:`~vllm_specstream.model_executor.stream_forward.StreamRunner`.
+back to vLLM and sends the stream rows' result to the layer's
+:func:`~vllm_specstream.stream_layer.stream_layer` generator, which does the steps between
+the calls (rotary, multi-stream attention over the paged cache, residuals, norms,
+activation) and asks for the next projection: the same layer as the stream pass of
+:class:`~vllm_specstream.model_executor.stream_forward.StreamRunner`.
 The model's ``compute_logits`` then multiplies the main rows and the streams' final states
 with the LM head in one call. Row-wise matmuls make the main rows' results those of a
 plain forward; the engine tests check outputs token by token against plain decoding.
@@ -27,6 +29,8 @@ from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.stream_forward import StreamRunner, StreamStart, rms_norm
+from vllm_specstream.model_executor.stream_weights import layer_linears
+from vllm_specstream.stream_layer import ATTEND, PROJECTIONS, StreamLayer
 
 Tensor = torch.Tensor
 
@@ -42,13 +46,13 @@ class _Pass:
     layer: int = 0
     """Index (among the MSA layers) of the layer the streams are in."""
     stage: str = ""
-    """The projection call the streams wait for: qkv, o, gate_up, down ("" not started)."""
+    """What the layer waits for: a :data:`~vllm_specstream.stream_layer.STAGES` name
+    ("" not started, "done" after the last layer)."""
     start: StreamStart | None = None
-    s: Tensor | None = None
-    """Residual stream of the stream rows, ``[N, h]`` (request, anchor, stream)."""
+    gen: StreamLayer | None = None
+    """The current layer's :func:`~vllm_specstream.stream_layer.stream_layer`."""
     pending: Tensor | None = None
     """Input of the next projection call for the stream rows."""
-    qkv: tuple[Tensor, Tensor, Tensor] | None = None
     final: Tensor | None = None
     """Stream states after the final norm, ``[N, h]``, once the last layer ran."""
 
@@ -61,29 +65,30 @@ class FusedStreams:
         self.active: _Pass | None = None
         layers = runner.layers
         for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            self._wrap(attn.qkv_proj, i, "qkv", self._after_qkv)
-            self._wrap(attn.o_proj, i, "o", self._after_o, before=self._attention)
-            self._wrap(mlp.gate_up_proj, i, "gate_up", self._after_gate_up)
-            self._wrap(mlp.down_proj, i, "down", self._after_down)
+            for module, stage in zip(layer_linears(layer), PROJECTIONS):
+                self._wrap(module, i, stage)
         self._wrap_entry(layers[0].input_layernorm)
 
     # -- installing the wrappers --------------------------------------------------------------
-    def _wrap(self, module: nn.Module, index: int, stage: str, after, before=None) -> None:
+    def _wrap(self, module: nn.Module, index: int, stage: str) -> None:
         """Make ``module`` carry the stream rows when the active pass is at ``stage`` of
         MSA layer ``index`` (vLLM calls each projection once per layer and forward)."""
         original = module.forward
 
         def forward(x, *args, **kwargs):
             p = self.active
-            if p is None or p.layer != index or p.stage != stage:
+            if p is None or p.layer != index:
                 return original(x, *args, **kwargs)
-            if before is not None:
-                before(p, index)
+            if stage == "o" and p.stage == ATTEND:
+                # vLLM's attention, which writes this step's keys/values to the paged cache,
+                # runs between qkv_proj and o_proj: only now may the streams read them.
+                self._advance(p, None)
+            if p.stage != stage:
+                return original(x, *args, **kwargs)
             n = x.shape[0]
             out = original(torch.cat((x, p.pending.to(x.dtype))), *args, **kwargs)
             y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
-            after(p, index, y[n:])
+            self._advance(p, y[n:])
             main = y[:n]
             return (main, *rest) if rest is not None else main
 
@@ -117,37 +122,24 @@ class FusedStreams:
         return p.anchors, p.final.view(p.start.shape)
 
     def _start(self, p: _Pass, msa_input: Tensor) -> None:
-        runner = self.runner
-        p.start = runner.start(msa_input, p.batch, p.anchors, p.num_streams)
-        p.s = p.start.s
-        p.pending = rms_norm(p.s, runner.layers[0].input_layernorm)
-        p.stage = "qkv"
+        p.start = self.runner.start(msa_input, p.batch, p.anchors, p.num_streams)
+        self._enter(p, 0, p.start.s)
 
-    def _after_qkv(self, p: _Pass, i: int, qkv: Tensor) -> None:
-        p.qkv = self.runner.rotated_qkv(self.runner.layers[i], qkv, p.start.flat_pos)
-        p.pending, p.stage = None, "o"
+    def _enter(self, p: _Pass, index: int, s: Tensor) -> None:
+        """The stream states ``s`` enter MSA layer ``index``: its input norm runs now, its
+        ``qkv`` request waits for the layer's ``qkv_proj`` call."""
+        p.layer, p.gen = index, self.runner.layer(index, s, p.start)
+        p.stage, p.pending = next(p.gen)
 
-    def _attention(self, p: _Pass, i: int) -> None:
-        """Before ``o_proj``: vLLM has written this layer's keys for the step; the streams
-        attend to them and to their own anchor's streams."""
-        p.pending = self.runner.attend(self.runner.layers[i], *p.qkv, p.start)
-        p.qkv = None
-
-    def _after_o(self, p: _Pass, i: int, y: Tensor) -> None:
-        p.s = p.s + y
-        p.pending = rms_norm(p.s, self.runner.layers[i].post_attention_layernorm)
-        p.stage = "gate_up"
-
-    def _after_gate_up(self, p: _Pass, i: int, y: Tensor) -> None:
-        p.pending = self.runner.layers[i].mlp.act_fn(y)
-        p.stage = "down"
-
-    def _after_down(self, p: _Pass, i: int, y: Tensor) -> None:
-        p.s = p.s + y
-        layers = self.runner.layers
-        if i + 1 < len(layers):
-            p.layer, p.stage = i + 1, "qkv"
-            p.pending = rms_norm(p.s, layers[i + 1].input_layernorm)
-        else:
-            p.final = rms_norm(p.s, self.runner.model.model.norm)
-            p.pending, p.stage = None, "done"
+    def _advance(self, p: _Pass, result: Tensor | None) -> None:
+        """Send the current stage's result; the layer runs to its next request, or ends and
+        the streams enter the next layer (or the final norm after the last one)."""
+        try:
+            p.stage, p.pending = p.gen.send(result)
+        except StopIteration as done:
+            s = done.value
+            if p.layer + 1 < len(self.runner.layers):
+                self._enter(p, p.layer + 1, s)
+            else:
+                p.final = rms_norm(s, self.runner.model.model.norm)
+                p.gen, p.pending, p.stage = None, None, "done"

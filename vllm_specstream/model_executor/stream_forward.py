@@ -3,12 +3,14 @@
 For every anchor (each position of a request's scheduled window, at most ``k + 1`` per
 request, or only each request's last accepted position: the placements of
 :mod:`vllm_specstream.model_executor.specstream`), the ``num_streams`` streams start as
-``f(M[t]) + P[j]`` from the residual stream entering layer L0 and go through vLLM's own layer modules. In attention they read the main
-stream's keys/values at positions ``<= t`` from the paged cache (after this step's writes)
-and their own anchor's streams ``<= j``; nothing of the streams is written to the cache.
-The math is :mod:`vllm_specstream.stream_math`, shared with training; the attention core
-(:func:`~vllm_specstream.stream_math.joint_stream_attention`, one fused attention call) is
-the piece a GPU kernel would replace. The matmuls are vLLM's modules or prepacked bf16
+``f(M[t]) + P[j]`` from the residual stream entering layer L0 and go through vLLM's own
+layer modules. In attention they read the main stream's keys/values at positions ``<= t``
+from the paged cache (after this step's writes) and their own anchor's streams ``<= j``;
+nothing of the streams is written to the cache. The math is
+:mod:`vllm_specstream.stream_math` and the layer is
+:func:`vllm_specstream.stream_layer.stream_layer`, both shared with training; the attention
+core (:func:`~vllm_specstream.stream_math.joint_stream_attention`, one fused attention call)
+is the piece a GPU kernel would replace. The matmuls are vLLM's modules or prepacked bf16
 copies (:mod:`vllm_specstream.model_executor.stream_weights`).
 """
 
@@ -24,6 +26,7 @@ from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stream_weights import StreamWeights
+from vllm_specstream.stream_layer import StreamLayer, run_layer, stream_layer
 from vllm_specstream.stream_math import (
     anchor_main_mask,
     init_streams,
@@ -215,6 +218,11 @@ class StreamRunner:
         o = joint_stream_attention(q, k_main, v_main, k, v, start.mask, attn.scaling)
         return o.transpose(1, 2).reshape(r * a * g, h_q * d)
 
+    def layer(self, index: int, s: Tensor, start: StreamStart) -> StreamLayer:
+        """The stream rows ``s`` through MSA layer ``index`` of the pass ``start``, as
+        requests for its projections."""
+        return stream_layer(s, VllmStreamOps(self, self.layers[index], start))
+
     @torch.no_grad()
     def __call__(
         self, msa_input: Tensor, batch: ForwardBatch, anchors: Tensor, num_streams: int = 0
@@ -223,11 +231,31 @@ class StreamRunner:
         (see :meth:`start`)."""
         start = self.start(msa_input, batch, anchors, num_streams)
         s = start.s
-        for layer, mm in zip(self.layers, self.weights.layers):
-            q, k, v = self.rotated_qkv(
-                layer, mm.qkv(rms_norm(s, layer.input_layernorm)), start.flat_pos
-            )
-            s = s + mm.o(self.attend(layer, q, k, v, start))
-            x = rms_norm(s, layer.post_attention_layernorm)
-            s = s + mm.down(layer.mlp.act_fn(mm.gate_up(x)))
+        for i, mm in enumerate(self.weights.layers):
+            s = run_layer(self.layer(i, s, start), mm)
         return rms_norm(s, self.model.model.norm).view(start.shape)
+
+
+@dataclass
+class VllmStreamOps:
+    """:class:`~vllm_specstream.stream_layer.StreamLayerOps` of a vLLM decoder layer for the
+    flat stream rows ``[N, h]`` of a pass, over the paged KV cache."""
+
+    runner: StreamRunner
+    layer: nn.Module
+    start: StreamStart
+
+    def input_norm(self, s: Tensor) -> Tensor:
+        return rms_norm(s, self.layer.input_layernorm)
+
+    def rotate(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.runner.rotated_qkv(self.layer, qkv, self.start.flat_pos)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self.runner.attend(self.layer, q, k, v, self.start)
+
+    def post_norm(self, s: Tensor) -> Tensor:
+        return rms_norm(s, self.layer.post_attention_layernorm)
+
+    def act(self, gate_up: Tensor) -> Tensor:
+        return self.layer.mlp.act_fn(gate_up)

@@ -21,12 +21,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_specstream.config import CONFIG_FILE, STREAM_FILE, ConfigError, SpecStreamConfig
+from vllm_specstream.config import (
+    CONFIG_FILE,
+    MERGED_ARCHITECTURE,
+    STREAM_FILE,
+    STREAM_PREFIX,
+    ConfigError,
+    SpecStreamConfig,
+)
 from vllm_specstream.training.model import SpecStreamModel, check_supported
 
-#: Prefix of the stream tensors inside a merged checkpoint.
-MERGED_PREFIX = "specstream."
-MERGED_ARCHITECTURE = "SpecStreamForCausalLM"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -216,7 +220,7 @@ def export_merged(
         if (base_dir / name).is_file():
             shutil.copy2(base_dir / name, tmp / name)
     tensors = {
-        MERGED_PREFIX + k: v.detach().to(dtype).contiguous()
+        STREAM_PREFIX + k: v.detach().to(dtype).contiguous()
         for k, v in model.stream_parameters().items()
     }
     save_file(tensors, str(tmp / STREAM_FILE), metadata={"format": "pt"})
@@ -267,7 +271,7 @@ def load_merged(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> SpecStr
     if not stream_file.is_file():
         raise ConfigError(f"{stream_file}: missing; the merged checkpoint has no stream tensors")
     raw = load_file(str(stream_file))
-    tensors = {k[len(MERGED_PREFIX) :]: v for k, v in raw.items() if k.startswith(MERGED_PREFIX)}
+    tensors = {k[len(STREAM_PREFIX) :]: v for k, v in raw.items() if k.startswith(STREAM_PREFIX)}
     check_stream_tensors(tensors, config, hf_config["hidden_size"], str(stream_file))
     lm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
     model = SpecStreamModel(lm, config)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.stream_layer import run_layer, stream_layer
 from vllm_specstream.stream_math import (
     apply_rope,
     init_streams,
@@ -68,6 +69,84 @@ def check_supported(hf_config, where: str = "base model") -> None:
         )
 
 
+def initial_stream_tensor(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, stream_init_std: float
+) -> Tensor:
+    """Initial value of a stream tensor: ``P ~ N(0, std^2)``; an adapter's ``A ~ N(0, 1/h)``
+    and ``B = 0``, so that ``f`` and the pruning adapter start as the identity."""
+    if name == "stream_embeddings":
+        return torch.randn(shape, dtype=dtype) * stream_init_std
+    if name.endswith("_b"):
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, dtype=dtype) * shape[1] ** -0.5
+
+
+@dataclass
+class HFProjections:
+    """The four projections of an HF decoder layer (:class:`StreamProjections`): the
+    separate q/k/v and gate/up modules (possibly PEFT LoRA wrappers)."""
+
+    layer: nn.Module
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        attn = self.layer.self_attn
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    def o(self, x: Tensor) -> Tensor:
+        return self.layer.self_attn.o_proj(x)
+
+    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        mlp = self.layer.mlp
+        return mlp.gate_proj(x), mlp.up_proj(x)
+
+    def down(self, x: Tensor) -> Tensor:
+        return self.layer.mlp.down_proj(x)
+
+
+@dataclass
+class HFStreamOps:
+    """:class:`StreamLayerOps` of an HF decoder layer for streams ``[B, A, G, h]`` over the
+    layer's dense main keys/values."""
+
+    layer: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    cos: Tensor
+    """``[B, A, G, D]`` rotary tables at the streams' positions."""
+    sin: Tensor
+    k_main: Tensor
+    """``[B, K, P, D]`` main keys (post-rotary) and values of the layer."""
+    v_main: Tensor
+    main_mask: Tensor
+    """``[B, A, P]`` main keys each anchor's streams see."""
+
+    def input_norm(self, s: Tensor) -> Tensor:
+        return self.layer.input_layernorm(s)
+
+    def rotate(self, qkv: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        d = self.layer.self_attn.head_dim
+        q, k, v = qkv
+        lead = q.shape[:-1]
+        perm = (0, 3, 1, 2, 4)  # [B, A, G, *, D] -> [B, *, A, G, D]
+        cos, sin = self.cos[:, None], self.sin[:, None]
+        q = apply_rope(q.view(*lead, self.num_heads, d).permute(perm), cos, sin)
+        k = apply_rope(k.view(*lead, self.num_kv_heads, d).permute(perm), cos, sin)
+        return q, k, v.view(*lead, self.num_kv_heads, d).permute(perm)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        scale = self.layer.self_attn.scaling
+        o = multi_stream_attention(q, self.k_main, self.v_main, k, v, self.main_mask, scale)
+        b, h, a, g, d = o.shape
+        return o.permute(0, 2, 3, 1, 4).reshape(b, a, g, h * d)
+
+    def post_norm(self, s: Tensor) -> Tensor:
+        return self.layer.post_attention_layernorm(s)
+
+    def act(self, gate_up: tuple[Tensor, Tensor]) -> Tensor:
+        gate, up = gate_up
+        return self.layer.mlp.act_fn(gate) * up
+
+
 class SpecStreamModel(nn.Module):
     """A causal LM plus stream embeddings (and optional init/pruning adapters)."""
 
@@ -82,21 +161,17 @@ class SpecStreamModel(nn.Module):
         self.num_layers = hf_config.num_hidden_layers
         self.first_msa_layer = config.first_msa_layer(self.num_layers)
         self.prune_layer = config.prune_layer(self.num_layers)
-        h = hf_config.hidden_size
         dtype = causal_lm.get_input_embeddings().weight.dtype
-        self.stream_embeddings = nn.Parameter(
-            torch.randn(config.num_streams, h, dtype=dtype) * stream_init_std
-        )
-        if config.init_rank > 0:
-            self.init_a = nn.Parameter(torch.randn(config.init_rank, h, dtype=dtype) * h**-0.5)
-            self.init_b = nn.Parameter(torch.zeros(h, config.init_rank, dtype=dtype))
-        else:
+        # The names and shapes are the config's, as in checkpoints and in vLLM.
+        shapes = config.stream_tensor_shapes(hf_config.hidden_size)
+        for name, shape in shapes.items():
+            init = initial_stream_tensor(name, shape, dtype, stream_init_std)
+            self.register_parameter(name, nn.Parameter(init))
+        if config.init_rank == 0:
             self.init_a = self.init_b = None
-        if config.prune.enabled:
-            self.prune_a = nn.Parameter(torch.randn(config.prune.rank, h, dtype=dtype) * h**-0.5)
-            self.prune_b = nn.Parameter(torch.zeros(h, config.prune.rank, dtype=dtype))
-        else:
+        if not config.prune.enabled:
             self.prune_a = self.prune_b = None
+        self._stream_tensor_names = tuple(shapes)
 
     # -- pieces of the HF model -------------------------------------------------------------
     @property
@@ -112,8 +187,7 @@ class SpecStreamModel(nn.Module):
 
     def stream_parameters(self) -> dict[str, Tensor]:
         """The specstream tensors saved in ``specstream.safetensors``."""
-        names = ("stream_embeddings", "init_a", "init_b", "prune_a", "prune_b")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {n: getattr(self, n) for n in self._stream_tensor_names}
 
     # -- one decoder layer, main and streams --------------------------------------------------
     @staticmethod
@@ -164,17 +238,10 @@ class SpecStreamModel(nn.Module):
         main_mask: Tensor,
     ) -> Tensor:
         """Streams ``[B, A, G, h]`` through ``layer`` with multi-stream attention."""
-        attn, cfg = layer.self_attn, self.causal_lm.config
-        n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
-        x = layer.input_layernorm(s)
-        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)  # [B, A, G, *, D]
-        perm = (0, 3, 1, 2, 4)  # -> [B, *, A, G, D]
-        q = apply_rope(q.permute(perm), cos[:, None], sin[:, None])
-        k = apply_rope(k.permute(perm), cos[:, None], sin[:, None])
-        o = multi_stream_attention(q, k_main, v_main, k, v.permute(perm), main_mask, attn.scaling)
-        s = s + attn.o_proj(o.permute(0, 2, 3, 1, 4).reshape(*s.shape[:-1], n_heads * d))
-        s = s + layer.mlp(layer.post_attention_layernorm(s))
-        return s
+        cfg = self.causal_lm.config
+        heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        ops = HFStreamOps(layer, *heads, cos, sin, k_main, v_main, main_mask)
+        return run_layer(stream_layer(s, ops), HFProjections(layer))
 
     def _enter_streams(self, h: Tensor, anchors: Tensor, positions: Tensor, attn_mask: Tensor):
         """Stream states at the anchors entering layer L0, their rotary tables and main mask."""
