@@ -53,6 +53,16 @@ def placement_of(proposer_path: str | None) -> str | None:
     return None
 
 
+def drafts_with_streams(spec) -> bool:
+    """Whether vLLM's ``speculative_config`` drafts with this plugin's streams (a specstream
+    ``custom_class`` proposer). Another method on a specstream checkpoint (vLLM's ngram,
+    suffix, Medusa, or another proposer class) leaves the streams idle: the model then runs
+    as plain decoding does."""
+    if spec is None or getattr(spec, "method", "custom_class") != "custom_class":
+        return False
+    return getattr(spec, "model", None) in (None, PROPOSER, *PLACEMENT_PROPOSERS.values())
+
+
 def stream_dtype_from(environ: Mapping[str, str]) -> str:
     raw = environ.get(ENV_STREAM_DTYPE, "")
     mode = raw.strip().lower() or "auto"
@@ -78,11 +88,14 @@ def draft_min_prob_from(environ: Mapping[str, str]) -> float:
 
 
 def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> SpecStreamOptions:
-    """The settings of the engine of ``vllm_config`` (None: speculation off) and
+    """The settings of the engine of ``vllm_config`` (None, or speculation by another
+    method: the streams are off) and
     ``environ`` (default: this process's environment); bad values raise ``ConfigError``
     naming the variable or option."""
     environ = os.environ if environ is None else environ
     spec = getattr(vllm_config, "speculative_config", None)
+    if not drafts_with_streams(spec):
+        spec = None
     k = spec.num_speculative_tokens if spec is not None else 0
     schedule = getattr(spec, SCHEDULE_OPTION, None) if spec is not None else None
     return SpecStreamOptions(

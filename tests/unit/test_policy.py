@@ -125,9 +125,12 @@ def test_speculative_config_adaptive_switch():
     assert cfg["num_speculative_tokens_per_batch_size"] == mine
 
 
-def _vllm_config(k=4, schedule=None, model=PROPOSER):
+def _vllm_config(k=4, schedule=None, model=PROPOSER, method="custom_class"):
     spec = SimpleNamespace(
-        num_speculative_tokens=k, num_speculative_tokens_per_batch_size=schedule, model=model
+        num_speculative_tokens=k,
+        num_speculative_tokens_per_batch_size=schedule,
+        model=model,
+        method=method,
     )
     return SimpleNamespace(
         speculative_config=spec, scheduler_config=SimpleNamespace(max_num_seqs=64)
@@ -147,6 +150,21 @@ def test_options_are_read_once_and_name_the_bad_setting():
     ]:
         with pytest.raises(ConfigError, match=f"{name}='{bad}'"):
             read_options(_vllm_config(), {name: bad})
+
+
+def test_other_speculative_methods_leave_the_streams_off():
+    # vLLM's own methods (and other proposer classes) on a specstream checkpoint: the model
+    # runs as in plain decoding, no stream pass, no error.
+    for method, model in [
+        ("ngram", None),
+        ("suffix", None),
+        ("medusa", "/heads"),
+        ("custom_class", "my.Proposer"),
+    ]:
+        options = read_options(_vllm_config(4, [(1, 4, 2)], model, method), {})
+        assert options.num_speculative_tokens == 0 and options.schedule is None, method
+        assert options.placement is None
+    assert read_options(_vllm_config(4), {}).num_speculative_tokens == 4
 
 
 def test_placement_follows_the_proposer_class():

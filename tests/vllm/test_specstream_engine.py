@@ -155,7 +155,8 @@ DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm
 @pytest.fixture(scope="module")
 def demo_runs(base_model_dir, tmp_path_factory):
     """The committed demo adapter merged onto the embedded model (fp32): plain, speculative,
-    and speculative with the stream-confidence rule, on 32 SQL test prompts in one batch."""
+    speculative with the stream-confidence rule, and vLLM's ngram method (the streams idle),
+    on 32 SQL test prompts in one batch."""
     import torch
     from transformers import AutoTokenizer
 
@@ -172,14 +173,24 @@ def demo_runs(base_model_dir, tmp_path_factory):
     ]
     plain = run_engine(ckpt, 0, {}, requests)
     spec = run_engine(ckpt, 4, {}, requests)
-    return plain, spec, run_engine(ckpt, 4, {}, requests, env={ENV_DRAFT_MIN_PROB: "0.5"})
+    confident = run_engine(ckpt, 4, {}, requests, env={ENV_DRAFT_MIN_PROB: "0.5"})
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    return plain, spec, confident, run_engine(ckpt, 0, {"speculative_config": ngram}, requests)
+
+
+def test_other_speculative_methods_serve_a_specstream_checkpoint(demo_runs):
+    """vLLM's own methods on a specstream checkpoint (what `specstream bench` compares):
+    the engine starts, ngram drafts, the outputs are plain decoding's."""
+    plain, *_, ngram = demo_runs
+    assert ngram["tokens"] == plain["tokens"]
+    assert ngram["metrics"]["vllm:spec_decode_num_drafts"] > 0, ngram["metrics"]
 
 
 def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
     """A trained checkpoint: outputs identical to plain decoding over 32 prompts, and the
     streams' drafts are mostly accepted (reference decoder: 3.2 tokens per step on the whole
     test split)."""
-    plain, spec, _ = demo_runs
+    plain, spec, *_ = demo_runs
     assert spec["tokens"] == plain["tokens"]
     metrics = spec["metrics"]
     tokens_per_step = 1 + (
@@ -193,7 +204,7 @@ def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
 def test_confidence_rule_drafts_less_and_stays_lossless(demo_runs):
     """``SPECSTREAM_DRAFT_MIN_PROB``: shorter drafts, a larger share of them accepted, the
     same outputs."""
-    plain, spec, confident = demo_runs
+    plain, spec, confident, _ = demo_runs
     assert confident["tokens"] == plain["tokens"]
 
     def draft_len_and_acceptance(run):
