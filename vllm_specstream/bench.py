@@ -43,6 +43,14 @@ SUFFIX_DECODING_DIR = Path(
     os.environ.get("SPECSTREAM_SUFFIX_DECODING", "~/.cache/vllm-specstream/suffix-decoding")
 ).expanduser()
 
+#: Methods that draft from earlier requests' outputs (suffix decoding's global tree): the
+#: bench sends the same prompts in every cell and repeat, so each of those gets a fresh
+#: engine; otherwise they would draft each answer from its own earlier copy.
+FRESH_ENGINE_PER_CELL = ("suffix",)
+
+#: Warm-up request of a fresh engine: none of the prompts, so that nothing is learnt from them.
+WARM_UP_PROMPT = "Count from one to twenty."
+
 #: vLLM's CPU worker thread binding (``auto``: all cores but one, kept for the front-end).
 OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -260,7 +268,8 @@ def request_timing(output) -> tuple[float, float | None]:
 
 
 def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
-    """Run every (temperature, batch size) cell of ``method`` on one engine."""
+    """Run every (temperature, batch size) cell of ``method`` on one engine (a fresh one per
+    cell and repeat for :data:`FRESH_ENGINE_PER_CELL`)."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -272,16 +281,28 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
     spec = speculative_config_for(method, cfg)
     if spec is not None:
         kw["speculative_config"] = spec
-    llm = LLM(model=cfg.checkpoint, disable_log_stats=False, **kw)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+
+    def start_engine():
+        engine = LLM(model=cfg.checkpoint, disable_log_stats=False, **kw)
+        warm_up = SamplingParams(temperature=0.0, max_tokens=16)
+        engine.generate([WARM_UP_PROMPT], warm_up, use_tqdm=False)
+        return engine
+
+    fresh = method in FRESH_ENGINE_PER_CELL
+    llm = None if fresh else start_engine()
     emit("PROGRESS")
     cells = []
     for temperature in cfg.temperatures:
         params = SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens)
         for batch_size in cfg.batch_sizes:
-            before = _counters(llm)
             rates, tokens, out_tokens, ttft, tpot = [], None, 0, [], []
+            drafts = draft_tokens = accepted = 0.0
             for repeat in range(cfg.repeats):
+                if fresh:
+                    if llm is not None:
+                        llm.llm_engine.engine_core.shutdown()
+                    llm = start_engine()
+                before = _counters(llm)
                 run_tokens = []
                 for g in groups(len(prompts), batch_size):
                     start = time.perf_counter()
@@ -299,11 +320,11 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
                     emit("PROGRESS")
                 if repeat == 0:
                     tokens = run_tokens
-            after = _counters(llm)
-            delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-            drafts = delta.get("vllm:spec_decode_num_drafts", 0.0)
-            accepted = delta.get("vllm:spec_decode_num_accepted_tokens", 0.0)
-            draft_tokens = delta.get("vllm:spec_decode_num_draft_tokens", 0.0)
+                after = _counters(llm)
+                delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+                drafts += delta.get("vllm:spec_decode_num_drafts", 0.0)
+                accepted += delta.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+                draft_tokens += delta.get("vllm:spec_decode_num_draft_tokens", 0.0)
             cells.append(
                 {
                     "temperature": temperature,

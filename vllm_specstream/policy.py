@@ -7,7 +7,8 @@ requests by arithmetic) and on how many drafts the target accepts (the checkpoin
 task, the prompts). The default policy weighs all three every step:
 
 * **cost**: the measured cost of a step with ``k`` drafts over a plain step at this batch
-  size on this CPU class (:mod:`vllm_specstream.step_cost`);
+  size on this CPU class (:mod:`vllm_specstream.step_cost`), corrected by the step times the
+  engine itself measures (:class:`MeasuredCost`);
 * **acceptance**: :class:`AcceptanceStats`, a running estimate from what vLLM verified of
   the chance that draft position ``j`` is accepted (decayed counts, so it follows the
   traffic, and a prior so that a fresh engine drafts);
@@ -22,8 +23,11 @@ request's draft before the first stream whose cumulative top-1 probability falls
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -101,6 +105,128 @@ def tokens_per_step(rates: np.ndarray, k: int) -> float:
     return 1.0 + float(rates[:k].sum())
 
 
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two bucket of a batch size (1, 2-3, 4-7, ...): its lower bound."""
+    return 1 << (max(int(batch_size), 1).bit_length() - 1)
+
+
+@dataclass
+class MeasuredCost:
+    """The step-cost table, corrected by the step times this engine measures.
+
+    The tables time the model's forward alone, on one machine; a real step also samples,
+    schedules and rejects, and a machine may be slower or busier than the one measured, so
+    a ratio read from the table can be optimistic by more than the policy's margin. Here
+    the proposer records the wall time between its calls (one engine step) per batch-size
+    bucket and draft length; once a bucket has enough plain (k = 0) and drafting steps, the
+    measured ratio over the table's, a median over the draft lengths seen, scales the
+    table's ratios of that bucket. Steps whose batch changed (a prefill, a request that
+    finished) are not recorded: they are not decode steps of one batch.
+    """
+
+    table: StepCostTable
+    window: int = 32
+    """Step times kept per (bucket, draft length): medians follow the recent traffic."""
+    min_samples: int = 6
+    """Step times needed per (bucket, draft length) before they count."""
+    times: dict[tuple[int, int], deque] = field(default_factory=dict, init=False)
+
+    @property
+    def cpu_class(self) -> str:
+        return self.table.cpu_class
+
+    def record(self, batch_size: int, k: int, seconds: float) -> None:
+        key = (batch_bucket(batch_size), k)
+        self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
+
+    def _median(self, bucket: int, k: int) -> float | None:
+        samples = self.times.get((bucket, k))
+        if samples is None or len(samples) < self.min_samples:
+            return None
+        return float(np.median(samples))
+
+    def correction(self, batch_size: int) -> float:
+        """Measured over table ratio at this batch size's bucket (1.0 before enough steps)."""
+        bucket = batch_bucket(batch_size)
+        plain = self._median(bucket, 0)
+        if plain is None:
+            return 1.0
+        factors = [
+            t / plain / self.table.ratio(bucket, k)
+            for (b, k) in self.times
+            if b == bucket and k > 0 and (t := self._median(bucket, k)) is not None
+        ]
+        return float(np.median(factors)) if factors else 1.0
+
+    def ratio(self, batch_size: int, k: int) -> float:
+        if k <= 0:
+            return 1.0
+        return self.table.ratio(batch_size, k) * self.correction(batch_size)
+
+    def needs_plain_steps(self, batch_size: int) -> bool:
+        """Whether this bucket has drafting steps to compare but too few plain ones."""
+        bucket = batch_bucket(batch_size)
+        drafted = any(b == bucket and k > 0 for (b, k) in self.times)
+        return drafted and self._median(bucket, 0) is None
+
+
+@dataclass
+class StepTimer:
+    """Wall time of the engine's decode steps, seen from the proposer's calls.
+
+    The time from one call to the next is one engine step: the forward that verified the
+    drafts handed out at the first call (with the window placement, also running that many
+    streams), sampling and scheduling. :meth:`record` files it under that draft length when
+    it was a decode step of the same batch: the same requests in the same rows (each row's
+    last token is still there), each grown by 1 to ``k + 1`` tokens. Steps with a prefill,
+    a request that finished or joined, or drafts that did not match the streams run, are
+    left out.
+    """
+
+    clock: Callable[[], float] = time.perf_counter
+    last_time: float | None = field(default=None, init=False)
+    last_k: int = field(default=-1, init=False)
+    """Draft length of the step under way (-1: not one clean length)."""
+    last_tokens: np.ndarray | None = field(default=None, init=False)
+    last_ids: np.ndarray | None = field(default=None, init=False)
+
+    def record(self, cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu=None) -> None:
+        """Called at the start of each proposer call (vLLM's ``propose`` arguments)."""
+        now = self.clock()
+        n = len(sampled_token_ids)
+        tokens = np.asarray(num_tokens_no_spec[:n], dtype=np.int64).copy()
+        ids = self._last_ids(token_ids_cpu, self.last_tokens, n)
+        same = self.last_time is not None and self.last_k >= 0 and n > 0
+        if same and self.last_tokens is not None and len(self.last_tokens) == n:
+            grew = tokens - self.last_tokens
+            same = bool(np.all((grew >= 1) & (grew <= self.last_k + 1)))
+            same = same and (ids is None or np.array_equal(ids, self.last_ids))
+        else:
+            same = False
+        if same and isinstance(cost, MeasuredCost):
+            cost.record(n, self.last_k, now - self.last_time)
+        self.last_time, self.last_tokens = now, tokens
+        self.last_ids = self._last_ids(token_ids_cpu, tokens, n)
+
+    @staticmethod
+    def _last_ids(token_ids_cpu, tokens: np.ndarray | None, n: int) -> np.ndarray | None:
+        """Each row's token at position ``tokens - 1``: a request's last token then."""
+        if token_ids_cpu is None or tokens is None or len(tokens) != n:
+            return None
+        return np.asarray(token_ids_cpu[np.arange(n), np.maximum(tokens - 1, 0)]).copy()
+
+    def proposed(self, drafted: int, streams: int) -> None:
+        """The call handed out drafts of length ``drafted`` (0: none) and asked for
+        ``streams`` streams in the next forward: a clean step when they agree."""
+        self.last_k = drafted if drafted == streams else -1
+
+
+class CostModel(Protocol):
+    def ratio(self, batch_size: int, k: int) -> float:
+        """Cost of a step with ``k`` drafts per request at ``batch_size`` over a plain step."""
+        ...
+
+
 @dataclass
 class DraftPolicy:
     """Drafts per request for a step: the ``k <= k_max`` of highest expected speedup.
@@ -112,12 +238,17 @@ class DraftPolicy:
     """
 
     k_max: int
-    cost: StepCostTable
+    cost: CostModel
+    """A :class:`~vllm_specstream.step_cost.StepCostTable`, or :class:`MeasuredCost` over one."""
     stats: AcceptanceStats
     margin: float = 0.03
     """A step with drafts must beat a plain one by this much (the tables' noise)."""
     probe_every: int = 64
+    calibrate_every: int = 16
+    """While the batch's bucket has drafting step times but too few plain ones to compare
+    (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing."""
     idle_steps: int = field(default=0, init=False)
+    drafting_steps: int = field(default=0, init=False)
 
     def expected_speedup(self, batch_size: int, k: int, rates: np.ndarray | None = None) -> float:
         rates = self.stats.accept_rates() if rates is None else rates
@@ -138,6 +269,10 @@ class DraftPolicy:
         k = self.best_length(batch_size)
         if k > 0:
             self.idle_steps = 0
+            if isinstance(self.cost, MeasuredCost) and self.cost.needs_plain_steps(batch_size):
+                self.drafting_steps += 1
+                if self.drafting_steps % self.calibrate_every == 0:
+                    return 0  # a calibration step: a plain step's time at this batch size
             return k
         prior_k = self.best_length(batch_size, self.stats.prior_rates())
         if prior_k == 0:

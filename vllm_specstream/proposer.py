@@ -17,7 +17,13 @@ from vllm_specstream.draft_watch import NoDraftWatch
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
 from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
-from vllm_specstream.policy import AcceptanceStats, DraftPolicy, lookup_length
+from vllm_specstream.policy import (
+    AcceptanceStats,
+    DraftPolicy,
+    MeasuredCost,
+    StepTimer,
+    lookup_length,
+)
 from vllm_specstream.step_cost import table_for
 
 logger = init_logger(__name__)
@@ -116,6 +122,7 @@ class SpecStreamProposer:
             logger.info("specstream drafts per request by batch size (first, last, k): %s", user)
         else:
             self.policy = DraftPolicy(self.k, None, AcceptanceStats(self.k))
+            self.step_timer = StepTimer()
         self.target = None
         #: Stashes refused as not this step's (each one: a step without drafts).
         self.refused_stashes = 0
@@ -133,7 +140,7 @@ class SpecStreamProposer:
         self.target = target_model
         if self.policy is not None and self.policy.cost is None:
             table, note = table_for(placement)
-            self.policy.cost = table
+            self.policy.cost = MeasuredCost(table)
             logger.info(
                 "specstream drafts up to %d per request, as many as pay on this CPU (placement "
                 "%s, step cost table: %s%s; set num_speculative_tokens_per_batch_size to fix "
@@ -156,6 +163,9 @@ class SpecStreamProposer:
         stash = self.target.take_stash()
         if self.policy is not None:
             self.policy.stats.record_verified(sampled_token_ids)
+            self.step_timer.record(
+                self.policy.cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
+            )
         k = self.draft_length(len(sampled_token_ids))
         self.target.window_streams = k  # the next forward's window streams (if placed there)
         if k == 0:
@@ -168,6 +178,7 @@ class SpecStreamProposer:
             self.watch.step(expected, any(drafts), why_none)
         if self.policy is not None:
             self.policy.stats.record_proposed(drafts)
+            self.step_timer.proposed(k if any(drafts) else 0, k)
         return drafts
 
     def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):

@@ -18,7 +18,15 @@ from vllm_specstream.options import (
     placement_of,
     read_options,
 )
-from vllm_specstream.policy import AcceptanceStats, DraftPolicy, confident_drafts, lookup_length
+from vllm_specstream.policy import (
+    AcceptanceStats,
+    DraftPolicy,
+    MeasuredCost,
+    StepTimer,
+    batch_bucket,
+    confident_drafts,
+    lookup_length,
+)
 from vllm_specstream.proposer import SpecStreamProposer, drafts_at
 from vllm_specstream.step_cost import TABLES, StepCostTable, table_for
 
@@ -246,3 +254,73 @@ def test_confident_drafts_cut_at_the_cumulative_probability():
     # The proposer hands out each row up to its first -1 (and at most k).
     table = torch.cat([torch.full((1, 4), -1), got])
     assert drafts_at(4, [0, 1, 2, 3], [1, 2, 3, 0], table, k=2) == [[11, 12], [], [31], []]
+
+
+def _measured(plain_s: float, k_s: dict[int, float], batch: int = 1, n: int = 8) -> MeasuredCost:
+    cost = MeasuredCost(TABLE, min_samples=n)
+    for _ in range(n):
+        cost.record(batch, 0, plain_s)
+        for k, seconds in k_s.items():
+            cost.record(batch, k, seconds)
+    return cost
+
+
+def test_measured_step_times_correct_the_table():
+    # Batch 1, table 1.2 for k = 2; this engine's steps say 1.5 (0.075 s over 0.05 s).
+    cost = _measured(0.05, {2: 0.075})
+    assert cost.correction(1) == pytest.approx(1.25)
+    assert cost.ratio(1, 2) == pytest.approx(1.5)
+    assert cost.ratio(1, 4) == pytest.approx(1.3 * 1.25)  # unmeasured k: scaled alike
+    assert cost.ratio(1, 0) == 1.0
+    assert cost.correction(8) == 1.0  # another bucket: nothing measured, the table
+    assert batch_bucket(1) == 1 and batch_bucket(7) == 4 and batch_bucket(16) == 16
+    few = MeasuredCost(TABLE, min_samples=8)
+    few.record(1, 2, 0.075)
+    assert few.correction(1) == 1.0 and few.needs_plain_steps(1)
+    assert not cost.needs_plain_steps(1)
+
+
+def test_policy_stops_drafting_where_measured_steps_say_it_does_not_pay():
+    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
+    stats.proposed[:] = 100
+    stats.accepted[:] = [30, 10, 3, 1]  # 1.30 tokens per step with k = 1
+    table_policy = DraftPolicy(4, TABLE, stats)
+    assert table_policy.best_length(1) == 1  # the table: 1.30 / 1.1 = 1.18x
+    measured = DraftPolicy(4, _measured(0.05, {1: 0.07}), stats)  # measured k = 1: 1.4
+    assert measured.best_length(1) == 0
+
+
+def test_policy_takes_plain_steps_to_measure_against():
+    stats = AcceptanceStats(num_positions=4)  # the prior: drafting pays
+    cost = MeasuredCost(TABLE, min_samples=2)
+    policy = DraftPolicy(4, cost, stats, calibrate_every=4)
+    cost.record(1, 4, 0.07)
+    lengths = [policy.draft_length(1) for _ in range(8)]
+    assert lengths.count(0) == 2 and lengths[3] == 0  # one step in four drafts nothing
+    cost.record(1, 0, 0.05)
+    cost.record(1, 0, 0.05)
+    assert 0 not in [policy.draft_length(1) for _ in range(8)]  # enough plain steps now
+
+
+def test_step_timer_files_only_decode_steps_of_one_batch():
+    cost = MeasuredCost(TABLE, min_samples=1)
+    now = [0.0]
+    timer = StepTimer(clock=lambda: now[0])
+    ids = np.arange(1000).reshape(2, 500)  # token_ids_cpu: row r holds 500r, 500r + 1, ...
+
+    def call(seconds, tokens, k_next, drafted=True):
+        now[0] += seconds
+        timer.record(cost, [[1]] * len(tokens), np.array(tokens), ids)
+        timer.proposed(k_next if drafted else 0, k_next)
+
+    call(0.0, [10, 20], 2)
+    call(0.1, [13, 21], 2)  # +3 and +1 tokens with k = 2: a decode step of one batch
+    call(0.2, [14, 22], 0)
+    call(0.05, [15, 23], 2, drafted=False)  # plain step; then streams ran but no drafts
+    call(0.3, [16, 24], 2)  # not filed: the drafts did not match the streams run
+    call(0.1, [30, 24], 2)  # not filed: row 0 grew by 14 (a prefill, another request)
+    call(0.1, [31], 2)  # not filed: the batch changed
+    assert {key: list(v) for key, v in cost.times.items()} == {
+        (2, 2): [pytest.approx(0.1), pytest.approx(0.2)],
+        (2, 0): [pytest.approx(0.05)],
+    }
