@@ -96,12 +96,14 @@ def test_policy_drafts_what_pays_at_each_batch_size():
     stats = AcceptanceStats(num_positions=4, prior_weight=1e-9)
     stats.accepted[:] = [0.9, 0.8, 0.6, 0.4]
     stats.proposed[:] = 1.0
-    policy = DraftPolicy(4, TABLE, stats)
+    policy = DraftPolicy(4, TABLE, stats, margin=0.03)
     # E = 1.9, 2.7, 3.3, 3.7 tokens for k = 1..4.
     assert policy.draft_length(1) == 4  # 3.7 / 1.3
     assert policy.draft_length(8) == 2  # 2.7 / 1.6 beats 3.3 / 2.0, 3.7 / 2.4, 1.9 / 1.3
     assert policy.draft_length(32) == 1  # 1.9 / 1.8 = 1.06 beats 2.7 / 2.6
     assert policy.draft_length(64) == 0  # nothing beats plain by the margin
+    # The default margin also covers a speculating engine's own overhead: 1.06x is not a gain.
+    assert DraftPolicy(4, TABLE, stats).draft_length(32) == 0
     stats.accepted[:] = [0.1, 0.0, 0.0, 0.0]  # a checkpoint that does not fit the traffic
     got = [policy.draft_length(1) for _ in range(2 * policy.probe_every)]
     # Off, but one step in probe_every probes with the prior's choice (old evidence halved).
