@@ -23,7 +23,8 @@ BASE_PY=$($PY -c 'import sys; print(sys.base_prefix)')/bin/python3
     "protobuf==5.29.6" grpcio-tools
 # setup.py imports torch only for its CMake prefix: the project's, appended, never modified.
 echo "$SITE" > "$WORK/venv/lib/python3.$($PY -c 'import sys; print(sys.version_info[1])')/site-packages/zz_project.pth"
-"$WORK/venv/bin/pip" download -q --no-deps --no-binary :all: -d "$WORK" "arctic-inference==$VERSION"
+PATH="$WORK/venv/bin:$PATH" "$WORK/venv/bin/pip" download -q --no-deps --no-build-isolation \
+    --no-binary :all: -d "$WORK" "arctic-inference==$VERSION"
 tar xzf "$WORK/arctic_inference-$VERSION.tar.gz" -C "$WORK"
 (cd "$WORK/arctic_inference-$VERSION" && PATH="$WORK/venv/bin:$PATH" \
     "$WORK/venv/bin/pip" wheel -q --no-build-isolation --no-deps -w "$WORK/wheels" .)
