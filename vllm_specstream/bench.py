@@ -13,8 +13,9 @@ drafting step, vLLM's counters), ``cr_ratio`` (output tokens per target forward 
 request; plain = 1.0), ``ttft_ms`` and ``tpot_ms`` (medians over requests of the time to the
 first token and of the decoding time per further output token, from vLLM's per-request
 timestamps) and ``decode_speedup`` (plain's ``tpot_ms`` over the method's: the speedup of
-decoding alone, without the prefill that speculation cannot shorten), ``lossless`` (greedy only: token-identical to plain at the same
-batch size), ``extra_params`` (parameters over the served checkpoint).
+decoding alone, without the prefill that speculation cannot shorten), ``lossless`` (greedy
+only: token-identical to plain at the same batch size), ``extra_params`` (parameters over
+the served checkpoint).
 """
 
 from __future__ import annotations

@@ -131,10 +131,6 @@ class MeasuredCost:
     """Step times needed per (bucket, draft length) before they count."""
     times: dict[tuple[int, int], deque] = field(default_factory=dict, init=False)
 
-    @property
-    def cpu_class(self) -> str:
-        return self.table.cpu_class
-
     def record(self, batch_size: int, k: int, seconds: float) -> None:
         key = (batch_bucket(batch_size), k)
         self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
@@ -195,18 +191,21 @@ class StepTimer:
         now = self.clock()
         n = len(sampled_token_ids)
         tokens = np.asarray(num_tokens_no_spec[:n], dtype=np.int64).copy()
-        ids = self._last_ids(token_ids_cpu, self.last_tokens, n)
-        same = self.last_time is not None and self.last_k >= 0 and n > 0
-        if same and self.last_tokens is not None and len(self.last_tokens) == n:
-            grew = tokens - self.last_tokens
-            same = bool(np.all((grew >= 1) & (grew <= self.last_k + 1)))
-            same = same and (ids is None or np.array_equal(ids, self.last_ids))
-        else:
-            same = False
-        if same and isinstance(cost, MeasuredCost):
+        if isinstance(cost, MeasuredCost) and self._same_batch(tokens, token_ids_cpu):
             cost.record(n, self.last_k, now - self.last_time)
         self.last_time, self.last_tokens = now, tokens
-        self.last_ids = self._last_ids(token_ids_cpu, tokens, n)
+        self.last_ids = self._last_ids(token_ids_cpu, tokens, len(tokens))
+
+    def _same_batch(self, tokens: np.ndarray, token_ids_cpu) -> bool:
+        """Whether the step since the last call was a decode step of the same batch."""
+        n, last = len(tokens), self.last_tokens
+        if self.last_time is None or self.last_k < 0 or n == 0 or last is None or len(last) != n:
+            return False
+        grew = tokens - last
+        if not np.all((grew >= 1) & (grew <= self.last_k + 1)):
+            return False
+        ids = self._last_ids(token_ids_cpu, last, n)
+        return ids is None or np.array_equal(ids, self.last_ids)
 
     @staticmethod
     def _last_ids(token_ids_cpu, tokens: np.ndarray | None, n: int) -> np.ndarray | None:

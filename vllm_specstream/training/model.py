@@ -81,6 +81,19 @@ def initial_stream_tensor(
     return torch.randn(shape, dtype=dtype) * shape[1] ** -0.5
 
 
+def split_heads(
+    qkv: tuple[Tensor, Tensor, Tensor], num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, k, v)`` projections ``[..., heads * D]`` as ``[..., heads, D]``."""
+    q, k, v = qkv
+    lead = q.shape[:-1]
+    return (
+        q.view(*lead, num_heads, head_dim),
+        k.view(*lead, num_kv_heads, head_dim),
+        v.view(*lead, num_kv_heads, head_dim),
+    )
+
+
 @dataclass
 class HFProjections:
     """The four projections of an HF decoder layer (:class:`StreamProjections`): the
@@ -125,13 +138,12 @@ class HFStreamOps:
 
     def rotate(self, qkv: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         d = self.layer.self_attn.head_dim
-        q, k, v = qkv
-        lead = q.shape[:-1]
+        q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, d)
         perm = (0, 3, 1, 2, 4)  # [B, A, G, *, D] -> [B, *, A, G, D]
         cos, sin = self.cos[:, None], self.sin[:, None]
-        q = apply_rope(q.view(*lead, self.num_heads, d).permute(perm), cos, sin)
-        k = apply_rope(k.view(*lead, self.num_kv_heads, d).permute(perm), cos, sin)
-        return q, k, v.view(*lead, self.num_kv_heads, d).permute(perm)
+        q = apply_rope(q.permute(perm), cos, sin)
+        k = apply_rope(k.permute(perm), cos, sin)
+        return q, k, v.permute(perm)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         scale = self.layer.self_attn.scaling
@@ -190,16 +202,6 @@ class SpecStreamModel(nn.Module):
         return {n: getattr(self, n) for n in self._stream_tensor_names}
 
     # -- one decoder layer, main and streams --------------------------------------------------
-    @staticmethod
-    def _qkv(
-        attn: nn.Module, x: Tensor, n_heads: int, n_kv: int, d: int
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        lead = x.shape[:-1]
-        q = attn.q_proj(x).view(*lead, n_heads, d)
-        k = attn.k_proj(x).view(*lead, n_kv, d)
-        v = attn.v_proj(x).view(*lead, n_kv, d)
-        return q, k, v
-
     def _main_layer(
         self,
         layer,
@@ -213,7 +215,7 @@ class SpecStreamModel(nn.Module):
         attn, cfg = layer.self_attn, self.causal_lm.config
         n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         x = layer.input_layernorm(h)
-        q, k, v = self._qkv(attn, x, n_heads, n_kv, d)  # [B, T, *, D]
+        q, k, v = split_heads(HFProjections(layer).qkv(x), n_heads, n_kv, d)  # [B, T, *, D]
         q = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None])
         k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
         v = v.transpose(1, 2)

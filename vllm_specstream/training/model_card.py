@@ -33,11 +33,12 @@ def _measured_on(result: dict) -> str:
         return "the held-out test split of the built-in task"
     if data["split"] == "all":
         return f"every record of `{data['file']}`"
+    where = f"the {data['split']} split of `{data['file']}`"
+    if data["split"] != "val":
+        return where
     return (
-        f"the {data['split']} split of `{data['file']}` (cut by group, val_fraction "
-        f"{data['val_fraction']}, seed {data['split_seed']}; never trained on)"
-        if data["split"] == "val"
-        else f"the {data['split']} split of `{data['file']}`"
+        f"{where} (cut by group, val_fraction {data['val_fraction']}, seed "
+        f"{data['split_seed']}; never trained on)"
     )
 
 
