@@ -1,11 +1,13 @@
-"""Speculative streaming end to end on the embedded SmolLM2-135M-Instruct.
+"""Speculative streaming end to end on the embedded SmolLM2-135M-Instruct, on a real task.
 
-Merges the committed demo SQL adapter (``examples/adapters/sql-smollm2-ss4``) onto the
-embedded model (cached; seconds when done before), then answers SQL test questions with
-plain vLLM and with specstream on the same checkpoint, batch 1, greedy, and prints the
-queries, tokens/s, the speedup, vLLM's tokens per step and whether the outputs are identical.
+Merges a committed real-task adapter (default: the E2E NLG one, ``examples/adapters/``) onto
+the embedded model (cached; seconds when done before), then answers a few hand-written
+prompts of the adapter's task with plain vLLM and with specstream on the same checkpoint,
+batch 1, greedy, fp32. The screen shows the prompts, both outputs, tokens/s, the speedup,
+vLLM's tokens per step and whether the outputs are token-identical; vLLM's own output goes
+to a log file whose path is printed.
 
-    .venv/bin/python examples/demo.py [--checkpoint MERGED_DIR] [-n 5] [--k 4] [--dtype float32]
+    .venv/bin/python examples/demo.py [--adapter DIR] [--k 4] [--log FILE]
 """
 
 from __future__ import annotations
@@ -13,35 +15,89 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-DEMO_ADAPTER = Path(__file__).parent / "adapters" / "sql-smollm2-ss4"
+ADAPTERS = Path(__file__).parent / "adapters"
+DEFAULT_ADAPTER = ADAPTERS / "e2e-smollm2-ss4"
+
+#: Hand-written inputs in each task's public format (none comes from the datasets).
+PROMPTS = {
+    "e2e": [
+        "name[The Copper Kettle], eatType[coffee shop], food[Italian], priceRange[cheap], "
+        "customer rating[5 out of 5], area[riverside], familyFriendly[yes], near[The Old Mill]",
+        "name[Saffron Court], eatType[restaurant], food[Indian], priceRange[moderate], "
+        "area[city centre], familyFriendly[no]",
+        "name[Blue Heron], eatType[pub], food[Fast food], customer rating[average], "
+        "area[riverside], near[Harbour View]",
+        "name[The Lantern], food[Chinese], priceRange[high], customer rating[1 out of 5]",
+        "name[Harbour View], eatType[restaurant], food[English], priceRange[less than £20], "
+        "area[city centre], familyFriendly[yes], near[The Lantern]",
+    ],
+    "sql": [
+        (
+            "CREATE TABLE author (Author_ID INTEGER, Name VARCHAR, Country VARCHAR); "
+            "CREATE TABLE book (Book_ID INTEGER, Title VARCHAR, Author_ID INTEGER, "
+            "Year INTEGER, Pages INTEGER)",
+            question,
+        )
+        for question in (
+            "How many books were published after 2000?",
+            "What are the titles of books written by authors from France?",
+            "Show the name of each author and the number of books they wrote.",
+            "What is the average number of pages of books published in 1999?",
+            "List the titles of the three longest books.",
+        )
+    ],
+    "dialogsum": [
+        "#Person1#: Hi, I'd like to return these shoes. They are too small.\n"
+        "#Person2#: Do you have the receipt?\n#Person1#: Yes, here it is.\n"
+        "#Person2#: Would you like a larger size or your money back?\n"
+        "#Person1#: A larger size, please.",
+        "#Person1#: Are you coming to the meeting at three?\n"
+        "#Person2#: I can't, I have to pick up my daughter from school.\n"
+        "#Person1#: Then I'll send you the notes tonight.\n#Person2#: Thanks, that helps.",
+    ],
+}
 
 
-def merged_demo_checkpoint() -> Path:
-    """The demo adapter merged onto the embedded model, cached by the adapter's content."""
+def merged_checkpoint(adapter: Path, screen) -> Path:
+    """``adapter`` merged onto the embedded model, cached by the adapter's content."""
     from vllm_specstream.paths import specstream_home
     from vllm_specstream.training.checkpoint import export_merged
 
     digest = hashlib.sha256()
     for name in ("adapter_model.safetensors", "specstream.safetensors", "specstream_config.json"):
-        digest.update((DEMO_ADAPTER / name).read_bytes())
-    out = specstream_home() / "demo" / f"sql-smollm2-ss4-{digest.hexdigest()[:12]}"
+        digest.update((adapter / name).read_bytes())
+    out = specstream_home() / "demo" / f"{adapter.name}-{digest.hexdigest()[:12]}"
     if not (out / "config.json").is_file():  # export writes to a .partial dir, renamed last
-        print(f"Merging {DEMO_ADAPTER} onto the embedded model -> {out}")
-        export_merged(DEMO_ADAPTER, out)
+        screen.write(f"  merging {adapter} onto the embedded model -> {out}\n")
+        export_merged(adapter, out)
     return out
 
 
-def generate(checkpoint: Path, prompts: list[str], dtype: str, k: int, max_tokens: int) -> dict:
+def task_prompts(task: str) -> list[str]:
+    from vllm_specstream.training.tasks.public import dialogsum_prompt, e2e_prompt, sql_prompt
+
+    if task == "e2e":
+        return [e2e_prompt(mr) for mr in PROMPTS["e2e"]]
+    if task == "sql":
+        return [sql_prompt(context, question) for context, question in PROMPTS["sql"]]
+    if task == "dialogsum":
+        return [dialogsum_prompt(dialogue) for dialogue in PROMPTS["dialogsum"]]
+    raise SystemExit(f"the demo has no prompts for task {task!r} (train_args.json of the adapter)")
+
+
+def generate(checkpoint: Path, prompts: list[str], k: int, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_specstream import speculative_config
     from vllm_specstream.cpu_env import cpu_engine_kwargs
 
-    kw = cpu_engine_kwargs(dtype=dtype)
+    kw = cpu_engine_kwargs(dtype="float32")  # fp32: greedy outputs comparable token for token
     if k:
         kw["speculative_config"] = speculative_config(k)
     llm = LLM(model=str(checkpoint), disable_log_stats=False, **kw)
@@ -75,41 +131,67 @@ def _spec_counters(llm) -> tuple[int, int]:
     )
 
 
+def _shown(prompt: str, width: int = 100) -> str:
+    body = prompt.split("\n", 1)[-1].replace("\n", " / ")
+    return body if len(body) <= width else body[: width - 3] + "..."
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", help="a merged specstream checkpoint (default: the demo)")
-    parser.add_argument("-n", type=int, default=5, help="SQL test questions")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        help="float32 (default: fastest for speculation on CPUs without native bf16) or bfloat16",
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument(
+        "--adapter", type=Path, default=DEFAULT_ADAPTER, help="a committed specstream adapter"
+    )
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--log", type=Path, help="vLLM's log (default: SPECSTREAM_HOME/logs)")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
     from vllm_specstream.base_model import prepare_base
-    from vllm_specstream.training.data import prompt_text
-    from vllm_specstream.training.tasks import build_task, to_example
+    from vllm_specstream.engine_log import default_log, output_to
 
-    prepare_base()
-    checkpoint = Path(args.checkpoint) if args.checkpoint else merged_demo_checkpoint()
-    tok = AutoTokenizer.from_pretrained(checkpoint)
-    records = build_task("sql", "test", n=args.n)
-    prompts = [prompt_text(tok, to_example("sql", r).messages) for r in records]
-    plain = generate(checkpoint, prompts, args.dtype, 0, args.max_tokens)
-    spec = generate(checkpoint, prompts, args.dtype, args.k, args.max_tokens)
-    for record, text in zip(records, spec["texts"]):
-        print(f"\n### {record['question']}\n{text}")
+    args_file = args.adapter / "train_args.json"
+    if not args_file.is_file():
+        sys.exit(f"--adapter {args.adapter}: no train_args.json (not a specstream adapter?)")
+    task = json.loads(args_file.read_text())["task"]
+    log = args.log or default_log("demo")
+    print(f"Speculative streaming demo: {args.adapter.name} ({task}) on SmolLM2-135M-Instruct")
+    print(f"vLLM's log: {log}")
+    with output_to(log) as screen:
+        try:
+            prepare_base()
+            checkpoint = merged_checkpoint(args.adapter, screen)
+            from transformers import AutoTokenizer
+
+            from vllm_specstream.training.data import prompt_text
+
+            tok = AutoTokenizer.from_pretrained(checkpoint)
+            prompts = task_prompts(task)
+            chats = [prompt_text(tok, [{"role": "user", "content": p}]) for p in prompts]
+            runs = {}
+            for name, k in (("plain vLLM", 0), (f"specstream (k={args.k})", args.k)):
+                screen.write(f"  {name}: starting the engine, {len(prompts)} prompts ...\n")
+                runs[name] = generate(checkpoint, chats, k, args.max_tokens)
+        except BaseException:
+            screen.write(f"failed; the cause is at the end of {log}\n")
+            raise
+    (plain_name, plain), (spec_name, spec) = runs.items()
+    for i, prompt in enumerate(prompts):
+        same = plain["tokens"][i] == spec["tokens"][i]
+        print(f"\n### {_shown(prompt)}")
+        print(f"  plain      : {plain['texts'][i]}")
+        print(f"  specstream : {spec['texts'][i]}   [{'identical' if same else 'DIFFERENT'}]")
+    identical = sum(a == b for a, b in zip(plain["tokens"], spec["tokens"]))
     print(
-        f"\nbatch 1, greedy, {args.dtype}, {len(prompts)} questions (median tokens/s):\n"
-        f"  plain vLLM        {plain['tok_s']:6.2f} tokens/s\n"
-        f"  specstream (k={args.k})  {spec['tok_s']:6.2f} tokens/s   "
+        f"\nbatch 1, greedy, fp32, {len(prompts)} prompts (median tokens/s per prompt):\n"
+        f"  {plain_name:<18} {plain['tok_s']:6.2f} tokens/s\n"
+        f"  {spec_name:<18} {spec['tok_s']:6.2f} tokens/s   "
         f"speedup {spec['tok_s'] / plain['tok_s']:.2f}x   "
         f"tokens per step {spec['tokens_per_step']:.2f}\n"
-        f"  outputs identical: {spec['tokens'] == plain['tokens']}"
+        f"  outputs token-identical: {identical} of {len(prompts)}\n"
+        f"vLLM's log: {log}"
     )
 
 

@@ -150,6 +150,21 @@ def _text(row: dict, field: str, where: str, *, required: bool = True) -> str:
 # --------------------------------------------------------------------------- tasks
 
 
+def sql_prompt(context: str, question: str) -> str:
+    """The schema, then the question (data.py's format, shared with the generic JSONL loader)."""
+    return sql_example(context, question, "").messages[0]["content"]
+
+
+def e2e_prompt(mr: str) -> str:
+    """The instruction, then the meaning representation as the file writes it."""
+    return f"{E2E_INSTRUCTION}\n{mr}"
+
+
+def dialogsum_prompt(dialogue: str) -> str:
+    """The instruction, then the dialogue (``#Person1#: ...`` turns, one per line)."""
+    return f"{DIALOGSUM_INSTRUCTION}\n{dialogue}"
+
+
 def _sql_records(rows: Iterator[tuple[str, dict]]) -> list[TaskRecord]:
     records = []
     for where, row in rows:
@@ -157,8 +172,7 @@ def _sql_records(rows: Iterator[tuple[str, dict]]) -> list[TaskRecord]:
         question = _text(row, "question", where)
         answer = _text(row, "answer", where)
         db_id = _text(row, "db_id", where, required=False)
-        # The SQL prompt is data.py's, shared with the generic JSONL loader.
-        prompt = sql_example(context, question, answer).messages[0]["content"]
+        prompt = sql_prompt(context, question)
         group = normalise_key(db_id or context)
         records.append(TaskRecord("sql", prompt, (answer,), group, where, (row,)))
     return records
@@ -172,7 +186,7 @@ def _e2e_records(rows: Iterator[tuple[str, dict]]) -> list[TaskRecord]:
     return [
         TaskRecord(
             "e2e",
-            f"{E2E_INSTRUCTION}\n{group[0][2]}",
+            e2e_prompt(group[0][2]),
             tuple(ref for *_, ref in group),
             key,
             group[0][0],
@@ -200,7 +214,7 @@ def _dialogsum_records(rows: Iterator[tuple[str, dict]]) -> list[TaskRecord]:
         records.append(
             TaskRecord(
                 "dialogsum",
-                f"{DIALOGSUM_INSTRUCTION}\n{dialogue}",
+                dialogsum_prompt(dialogue),
                 _summaries(row, where),
                 normalise_key(dialogue),
                 where,
