@@ -1,0 +1,201 @@
+"""The paper's Table 1 on the real tasks, from the committed results: one row per task and
+method (speedup at batch 1, call reduction, task metric, extra parameters), beside the
+paper's OPT-1.3b call reductions, as Markdown and a plot.
+
+Reads, per task, ``benchmarks/results/<task>/bench.json`` (``specstream bench``) and the
+``eval-<model>.json`` files beside it (``specstream eval`` on the same validation split):
+``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
+``eval-ntp.json`` (the next-token LoRA baseline's metric). Missing files give missing rows.
+
+    .venv/bin/python benchmarks/table1.py [--results benchmarks/results] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One real task of Table 1."""
+
+    name: str
+    """Results directory under ``benchmarks/results`` and the ``--task`` of the CLI."""
+    title: str
+    metrics: tuple[str, ...]
+    """Keys of the eval JSON, in the order shown."""
+    paper_cr: float
+    """The paper's call reduction for OPT-1.3b with tree drafts (its Table 1)."""
+
+
+TASKS = (
+    Task("sql", "SQL (Spider, unseen database)", ("exact_match",), 3.57),
+    Task("e2e", "E2E NLG (unseen MRs)", ("rouge1", "rougeLsum"), 3.72),
+    Task("dialogsum", "DialogSum (unseen dialogues)", ("rouge1", "rougeLsum"), 2.62),
+)
+#: Methods of ``specstream bench``, in the order of the table.
+METHODS = ("plain", "ngram", "suffix", "medusa", "specstream")
+
+
+def _read(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _metric(evaluation: dict | None, task: Task) -> str:
+    if not evaluation:
+        return "-"
+    return " / ".join(f"{evaluation[m]:.1f}" for m in task.metrics if m in evaluation) or "-"
+
+
+def task_rows(task: Task, results: Path) -> list[dict]:
+    """The table's rows for ``task``: vLLM methods at batch 1, then the reference decoder."""
+    bench = _read(results / task.name / "bench.json")
+    spec_eval = _read(results / task.name / "eval-specstream.json")
+    ntp_eval = _read(results / task.name / "eval-ntp.json")
+    rows = []
+    by_method = {}
+    for row in (bench or {}).get("rows", []):
+        if row["temperature"] == 0 and row["batch_size"] == 1:
+            by_method[row["method"]] = row
+    for method in METHODS:
+        row = by_method.get(method)
+        if row is None:
+            continue
+        # Every method is lossless against plain: same outputs, same metric (the bench checks).
+        metric = _metric(spec_eval, task) if row["lossless"] else "differs"
+        rows.append(
+            {
+                "task": task.title,
+                "method": method,
+                "speedup": row["speedup"],
+                "decode_speedup": row.get("decode_speedup"),
+                "cr_ratio": row["cr_ratio"],
+                "tokens_per_step": row["tokens_per_step"],
+                "metric": metric,
+                "extra_params": row["extra_params"],
+            }
+        )
+    if spec_eval:
+        rows.append(
+            {
+                "task": task.title,
+                "method": "specstream, reference decoder (chain / tree)",
+                "speedup": None,
+                "decode_speedup": None,
+                "cr_ratio": None,
+                "tokens_per_step": (
+                    spec_eval["tokens_per_step"]["chain"],
+                    spec_eval["tokens_per_step"].get("tree"),
+                ),
+                "metric": _metric(spec_eval, task),
+                "extra_params": spec_eval.get("extra_params"),
+            }
+        )
+    if ntp_eval:
+        rows.append(
+            {
+                "task": task.title,
+                "method": "ntp LoRA baseline (same data, steps)",
+                "speedup": None,
+                "decode_speedup": None,
+                "cr_ratio": None,
+                "tokens_per_step": None,
+                "metric": _metric(ntp_eval, task),
+                "extra_params": 0,
+            }
+        )
+    if rows:
+        rows.append(
+            {
+                "task": task.title,
+                "method": "paper, OPT-1.3b, trees",
+                "speedup": None,
+                "decode_speedup": None,
+                "cr_ratio": task.paper_cr,
+                "tokens_per_step": None,
+                "metric": "-",
+                "extra_params": None,
+            }
+        )
+    return rows
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, tuple):
+        return " / ".join(_cell(v, fmt) for v in value)
+    return format(value, fmt)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| task | method | speedup b1 | decoding-only speedup b1 | CR ratio | tokens per step | "
+        "metric | extra params |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['task']} | {r['method']} | {_cell(r['speedup'], '.2f')}"
+            f"{'x' if r['speedup'] is not None else ''} | {_cell(r['decode_speedup'], '.2f')}"
+            f"{'x' if r['decode_speedup'] is not None else ''} | {_cell(r['cr_ratio'], '.2f')} | "
+            f"{_cell(r['tokens_per_step'], '.2f')} | {r['metric']} | "
+            f"{_cell(r['extra_params'], ',')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Batch-1 speedup per task and method (bars), call reduction written on each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if r["speedup"] is not None and r["method"] != "plain"]
+    tasks = list(dict.fromkeys(r["task"] for r in measured))
+    methods = [m for m in METHODS if m != "plain" and any(r["method"] == m for r in measured)]
+    if not measured:
+        return
+    fig, ax = plt.subplots(figsize=(2.4 + 2.2 * len(tasks), 3.6))
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        for i, task in enumerate(tasks):
+            row = next((r for r in measured if r["task"] == task and r["method"] == method), None)
+            if row is None:
+                continue
+            x = i + (j - (len(methods) - 1) / 2) * width
+            ax.bar(x, row["speedup"], width, color=f"C{j}", label=method if i == 0 else None)
+            ax.text(x, row["speedup"], f"{row['cr_ratio']:.2f}", ha="center", va="bottom", size=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(tasks)), [t.split(" (")[0] for t in tasks])
+    ax.set_ylabel("speedup over plain vLLM, batch 1")
+    ax.set_title("Table 1 on real data (numbers: CR ratio)", size=10)
+    ax.legend(fontsize=8, ncol=len(methods), loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="table1.md and table1.png")
+    args = parser.parse_args()
+    rows = [row for task in TASKS for row in task_rows(task, args.results)]
+    if not rows:
+        raise SystemExit(f"{args.results}: no <task>/bench.json or eval-*.json files")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table1.md").write_text(markdown(rows))
+    plot(rows, args.out / "table1.png")
+    print(markdown(rows), end="")
+    print(f"wrote {args.out / 'table1.md'} and {args.out / 'table1.png'}")
+
+
+if __name__ == "__main__":
+    main()
