@@ -33,8 +33,10 @@ def _apply_patches(vllm_version: str) -> None:
     apply_patch(ENGINE_CONFIG_CHECK, vllm_version)
     if current_platform.is_cpu():
         from vllm_specstream.patches.cpu_expand_kernel import EXPAND_KERNEL
+        from vllm_specstream.patches.cpu_lora_ops import CPU_LORA_OPS
 
         apply_patch(EXPAND_KERNEL, vllm_version)
+        apply_patch(CPU_LORA_OPS, vllm_version)
 
 
 def register() -> None:

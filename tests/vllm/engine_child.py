@@ -151,7 +151,45 @@ def reference(ckpt: str, k: int, requests: list[dict]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-CHILDREN = {f.__name__: f for f in (generate, probe, fail_to_start, sample, plain_run, reference)}
+def lora_mixed(base: str, adapter: str, prompts: list[str], n: int) -> dict:
+    """Greedy outputs under ``enable_lora`` (one slot) of ``prompts[0]`` with ``adapter`` batched
+    with the others without one, then of the others alone; then the same again with vLLM's
+    own CPU LoRA ops put back (the engine runs in this process), to show what the patch fixes."""
+    from vllm import SamplingParams
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+    from vllm.lora.request import LoRARequest
+
+    from vllm_specstream.patches.cpu_lora_ops import REPLACEMENTS
+
+    originals = {name: getattr(lora_ops, name) for name in REPLACEMENTS}
+    assert not any(originals[name] is fn for name, fn in REPLACEMENTS.items())
+    llm = _llm(base, max_model_len=512, enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert all(getattr(lora_ops, name) is fn for name, fn in REPLACEMENTS.items())
+    params = SamplingParams(temperature=0.0, max_tokens=n)
+    lora = LoRARequest("task", 1, adapter)
+
+    def run() -> dict:
+        mixed = llm.generate(
+            prompts, params, lora_request=[lora] + [None] * (len(prompts) - 1), use_tqdm=False
+        )
+        alone = llm.generate(prompts[1:], params, use_tqdm=False)
+        return {
+            "mixed": [list(o.outputs[0].token_ids) for o in mixed],
+            "alone": [list(o.outputs[0].token_ids) for o in alone],
+        }
+
+    patched = run()
+    for module in (lora_ops, punica_cpu):
+        for name, fn in originals.items():
+            setattr(module, name, fn)
+    return {"patched": patched, "unpatched": run()}
+
+
+CHILDREN = {
+    f.__name__: f
+    for f in (generate, probe, fail_to_start, sample, plain_run, reference, lora_mixed)
+}
 
 
 def run_child(name: str, *, env=None, timeout: int = 900, check: bool = True, **args):

