@@ -84,6 +84,18 @@ def main() -> None:
     )
     ap.add_argument("--json", help="write the medians per batch size here")
     ap.add_argument("--placement", help="window or accepted (default: the proposer's)")
+    ap.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="the default adaptive policy (else every step drafts k): with --k, a speculating "
+        "engine's steps that draft nothing show what speculation costs a plain step",
+    )
+    ap.add_argument(
+        "--never-draft",
+        action="store_true",
+        help="with --k: a speculating engine whose schedule drafts 0 at every batch size "
+        "(what speculation costs a step that verifies nothing)",
+    )
     args = ap.parse_args()
     preload_iomp_and_reexec()
 
@@ -129,8 +141,12 @@ def main() -> None:
     prompts = [prompt_text(tok, m) for m in messages]
     kw = cpu_engine_kwargs(dtype=args.dtype)
     if args.k:
+        never = {"num_speculative_tokens_per_batch_size": [(1, 1 << 16, 0)]}
         kw["speculative_config"] = speculative_config(
-            args.k, placement=args.placement, adaptive=False
+            args.k,
+            placement=args.placement,
+            adaptive=args.adaptive,
+            **(never if args.never_draft else {}),
         )
     llm = LLM(model=args.ckpt, **kw)
     # Fixed lengths (ignore_eos) keep the batch full: the step cost is per batch size.
@@ -138,17 +154,22 @@ def main() -> None:
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.batch_sizes != "1"
     )
     llm.generate(prompts[:1], params, use_tqdm=False)
-    steps: list[tuple[int, bool, dict[str, float]]] = []  # (requests, decode?, ranges)
+    # (requests, decode?, verified drafts?, ranges)
+    steps: list[tuple[int, bool, bool, dict[str, float]]] = []
     current: dict = {}
     orig = runner_cls.execute_model
 
     def counted(self, scheduler_output, *a, **kw):
         # A step runs from here to the next step's start (it ends in sample_tokens).
         if current:
-            steps.append((current["reqs"], current["decode"], dict(STEP)))
+            steps.append((current["reqs"], current["decode"], current["drafts"], dict(STEP)))
         STEP.clear()
         per_req = list(scheduler_output.num_scheduled_tokens.values())
-        current.update(reqs=len(per_req), decode=bool(per_req) and max(per_req) <= args.k + 1)
+        current.update(
+            reqs=len(per_req),
+            decode=bool(per_req) and max(per_req) <= args.k + 1,
+            drafts=any(scheduler_output.scheduled_spec_decode_tokens.values()),
+        )
         return orig(self, scheduler_output, *a, **kw)
 
     runner_cls.execute_model = counted
@@ -168,7 +189,7 @@ def main() -> None:
                 tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             wall = time.perf_counter() - start
             if current:
-                steps.append((current["reqs"], current["decode"], dict(STEP)))
+                steps.append((current["reqs"], current["decode"], current["drafts"], dict(STEP)))
             report["batch_sizes"][b] = summarize(steps, b, tokens, wall, args)
     if args.json:
         with open(args.json, "w") as f:
@@ -178,9 +199,26 @@ def main() -> None:
 
 
 def summarize(steps, b: int, tokens: int, wall: float, args) -> dict:
-    """Median ms per decode step of each range over the steps that ran ``b`` requests."""
+    """Median ms per decode step of each range over the steps that ran ``b`` requests (with
+    ``--adaptive``, separately for steps that verified drafts and steps that did not)."""
+    report = _summarize(steps, b, tokens, wall, args, None)
+    if args.adaptive:
+        for drafted in (True, False):
+            report["verified drafts" if drafted else "no drafts"] = _summarize(
+                steps, b, tokens, wall, args, drafted
+            )
+    return report
+
+
+def _summarize(steps, b: int, tokens: int, wall: float, args, drafted: bool | None) -> dict:
     step_key = ("runner.execute_model", "runner.sample_tokens")
-    full = [ranges for reqs, decode, ranges in steps if decode and reqs == b]
+    full = [
+        ranges
+        for reqs, decode, has_drafts, ranges in steps
+        if decode and reqs == b and (drafted is None or has_drafts == drafted)
+    ]
+    if not full:
+        return {}
     for d in full:
         d["decode step (execute_model + sample_tokens)"] = sum(d.get(k, 0.0) for k in step_key)
     labels = {k for d in full for k in d}
@@ -190,7 +228,8 @@ def summarize(steps, b: int, tokens: int, wall: float, args) -> dict:
         f"({tokens / max(1, len(steps)) / b:.2f} tokens/step per request), {wall:.2f} s, "
         f"{tokens / wall:.2f} tok/s{' (under the profiler)' if args.ops else ''}"
     )
-    print(f"{len(full)} decode steps with {b} requests; median ms per step (absent ranges: 0)")
+    which = {None: "", True: ", verified drafts", False: ", no drafts"}[drafted]
+    print(f"{len(full)} decode steps with {b} requests{which}; median ms per step (absent: 0)")
     for label, ms in sorted(medians.items(), key=lambda kv: -kv[1]):
         print(f"  {label:45s} {ms:9.2f}")
     return {
