@@ -42,12 +42,35 @@ def _measured_on(result: dict) -> str:
     )
 
 
+def _bench_section(bench: dict | None) -> str:
+    """Batch-1 rows of ``specstream bench`` (same split): every method serves the merged
+    adapter, so each has the adapter's outputs and metric (the bench checks losslessness)."""
+    if not bench:
+        return ""
+    rows = [r for r in bench["rows"] if r["batch_size"] == 1 and r["temperature"] == 0]
+    lines = "\n".join(
+        f"| {r['method']} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x | "
+        f"{'yes' if r['lossless'] else 'NO'} | {r['extra_params']:,} |"
+        for r in rows
+    )
+    return f"""
+## vLLM, batch 1, greedy ({bench["machine"]})
+
+{bench["setting"]}
+
+| method | tokens per step | speedup over plain | identical to plain | extra params |
+|---|---|---|---|---|
+{lines}
+"""
+
+
 def write_model_card(
     adapter_dir: str | Path,
     command: str,
     result: dict,
     baseline: dict | None = None,
     note: str | None = None,
+    bench: dict | None = None,
 ) -> Path:
     """Write ``adapter_dir/README.md`` from the training args, log and eval results."""
     adapter_dir = Path(adapter_dir)
@@ -92,7 +115,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 {table}
 
 Chain and tree decoding gave identical outputs: {result["chain_tree_identical"]}.
-
+{_bench_section(bench)}
 ## Reproduce
 
 ```bash
@@ -113,12 +136,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", help="JSON printed by `specstream eval` for the ntp baseline")
     parser.add_argument("--command", required=True, help="the command that reproduces the adapter")
     parser.add_argument("--note", help="a sentence about the run for the card")
+    parser.add_argument(
+        "--bench", help="bench.json of `specstream bench` on the same split (its batch-1 rows)"
+    )
     a = parser.parse_args(argv)
     result = json.loads(Path(a.eval).read_text().strip().splitlines()[-1])
     baseline = (
         json.loads(Path(a.baseline).read_text().strip().splitlines()[-1]) if a.baseline else None
     )
-    print(write_model_card(a.adapter_dir, a.command, result, baseline, a.note))
+    bench = json.loads(Path(a.bench).read_text()) if a.bench else None
+    print(write_model_card(a.adapter_dir, a.command, result, baseline, a.note, bench))
 
 
 if __name__ == "__main__":

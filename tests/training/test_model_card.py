@@ -1,0 +1,78 @@
+import json
+
+from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.training.model_card import main
+
+
+def test_card_has_the_three_models_and_vllm_rows(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    args = {
+        "base": "/x/SmolLM2-135M-Instruct",
+        "task": "e2e",
+        "data": "devset.csv",
+        "objective": "specstream",
+        "spec": SpecStreamConfig(num_streams=4, num_msa_layers=15).to_dict(),
+        "lora": {"rank": 32, "layers": "msa", "target_modules": ["q_proj"]},
+        "steps": 300,
+        "batch_size": 8,
+        "grad_accum": 1,
+        "lr": 5e-4,
+        "stream_lr": 2e-2,
+    }
+    (adapter / "train_args.json").write_text(json.dumps(args))
+    # two resumed segments: 100 s + 200 s
+    log = [{"elapsed_s": 50.0}, {"elapsed_s": 100.0}, {"elapsed_s": 20.0}, {"elapsed_s": 200.0}]
+    (adapter / "train_log.jsonl").write_text("\n".join(json.dumps(x) for x in log))
+    data = {"file": "devset.csv", "split": "val", "val_fraction": 0.15, "split_seed": 0}
+    result = {
+        "num_prompts": 82,
+        "tokens_per_step": {"chain": 2.9, "tree": 3.3, "tree_top_k": 2},
+        "rouge1": 70.12,
+        "rougeLsum": 60.5,
+        "extra_params": 39168,
+        "chain_tree_identical": True,
+        "data": data,
+    }
+    baseline = {**result, "rouge1": 70.9, "rougeLsum": 61.0}
+    row = {"temperature": 0.0, "batch_size": 1, "lossless": True}
+    bench = {
+        "machine": "AMD EPYC, 2 cores",
+        "setting": "32 prompts",
+        "rows": [
+            {**row, "method": "plain", "tokens_per_step": 1.0, "speedup": 1.0, "extra_params": 0},
+            {**row, "method": "medusa", "tokens_per_step": 1.8, "speedup": 1.2, "extra_params": 9},
+            {
+                **row,
+                "batch_size": 4,
+                "method": "medusa",
+                "tokens_per_step": 1.8,
+                "speedup": 1.1,
+                "extra_params": 9,
+            },
+        ],
+    }
+    files = {"eval.json": result, "ntp.json": baseline, "bench.json": bench}
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    main(
+        [
+            str(adapter),
+            "--eval",
+            str(tmp_path / "eval.json"),
+            "--baseline",
+            str(tmp_path / "ntp.json"),
+            "--bench",
+            str(tmp_path / "bench.json"),
+            "--command",
+            "cmd",
+        ]
+    )
+    card = (adapter / "README.md").read_text()
+    assert "| rouge1 (%) | 70.1 |" in card
+    assert "| rouge1 of the ntp baseline, same budget (%) | 70.9 |" in card
+    assert "| tokens_per_step, chain (reference decoder) | 2.90 |" in card
+    assert "| medusa | 1.80 | 1.20x | yes | 9 |" in card
+    assert card.count("| medusa |") == 1  # batch 1 only
+    assert "5 min of training" in card  # 300 s over two segments
+    assert "cut by group, val_fraction 0.15, seed 0" in card
