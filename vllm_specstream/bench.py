@@ -35,8 +35,18 @@ from vllm_specstream.logger import init_logger
 logger = init_logger(__name__)
 
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
-#: off): the row that shows where speculation stops paying.
-METHODS = ("plain", "ngram", "suffix", "medusa", "specstream", "specstream-fixed")
+#: off): the row that shows where speculation stops paying. ``plain-control`` is a second
+#: plain engine: its "speedup" is the run's noise floor (engines differ by a few percent from
+#: one start to the next on small VMs).
+METHODS = (
+    "plain",
+    "plain-control",
+    "ngram",
+    "suffix",
+    "medusa",
+    "specstream",
+    "specstream-fixed",
+)
 
 #: Where ``make suffix-decoding`` installs arctic-inference's suffix tree (vLLM's ``suffix``
 #: method); put on the engines' ``PYTHONPATH`` when present.
@@ -163,7 +173,7 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
     from vllm_specstream import speculative_config
 
     k = cfg.num_speculative_tokens
-    if method == "plain":
+    if method in ("plain", "plain-control"):
         return None
     if method == "ngram":
         lo, hi = cfg.ngram_lookup

@@ -260,7 +260,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             else tuple(
                 m
                 for m in METHODS
-                if m != "specstream-fixed"
+                if m not in ("specstream-fixed", "plain-control")
                 and (args.medusa or m != "medusa")
                 and (has_suffix_decoding() or m != "suffix")
             ),
@@ -467,8 +467,9 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--medusa", help="Medusa heads directory (needed for the medusa method)")
     p.add_argument(
         "--methods",
-        help="comma-separated, from plain,ngram,suffix,medusa,specstream,specstream-fixed (the "
-        "adaptive policy off) (default: all but specstream-fixed; medusa only with --medusa, "
+        help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
+        "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off) "
+        "(default: all but plain-control and specstream-fixed; medusa only with --medusa, "
         "suffix only where arctic-inference is importable)",
     )
     p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
