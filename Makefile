@@ -11,7 +11,7 @@ setup:  ## create .venv and install everything (idempotent; seconds when done)
 base: setup  ## convert the embedded SmolLM2-135M-Instruct once (cached)
 	@$(BIN)/specstream prepare-base
 
-demo: base  ## specstream end to end: the demo SQL adapter on the embedded model, plain vs specstream
+demo: base  ## specstream end to end: a real-task adapter on the embedded model, plain vs specstream
 	@$(BIN)/python examples/demo.py
 
 test: setup base  ## the whole suite, engine tests included (what CI runs)

@@ -1,7 +1,7 @@
 """Speculative streaming end to end on the embedded SmolLM2-135M-Instruct, on a real task.
 
-Merges a committed real-task adapter (default: the E2E NLG one, ``examples/adapters/``) onto
-the embedded model (cached; seconds when done before), then answers a few hand-written
+Merges a committed real-task adapter (``examples/adapters/``; default: E2E NLG, else Spider
+SQL) onto the embedded model (cached; seconds when done before), then answers hand-written
 prompts of the adapter's task with plain vLLM and with specstream on the same checkpoint,
 batch 1, greedy, fp32. The screen shows the prompts, both outputs, tokens/s, the speedup,
 vLLM's tokens per step and whether the outputs are token-identical; vLLM's own output goes
@@ -22,7 +22,11 @@ import time
 from pathlib import Path
 
 ADAPTERS = Path(__file__).parent / "adapters"
-DEFAULT_ADAPTER = ADAPTERS / "e2e-smollm2-ss4"
+#: The demo's adapter: the first of these that is committed (real-task adapters only).
+PREFERRED = ("e2e-smollm2-ss4", "sql-spider-smollm2-ss4")
+DEFAULT_ADAPTER = next(
+    (ADAPTERS / name for name in PREFERRED if (ADAPTERS / name).is_dir()), ADAPTERS / PREFERRED[-1]
+)
 
 #: Hand-written inputs in each task's public format (none comes from the datasets).
 PROMPTS = {
