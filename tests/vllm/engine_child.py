@@ -42,8 +42,28 @@ def _metrics(llm, *words: str) -> dict:
     }
 
 
+def _lora_requests(requests: list[dict]) -> dict:
+    """``lora_request=`` for ``LLM.generate``: a request's ``"lora"`` is an adapter directory
+    (one LoRA id per directory), None or absent for the served model alone."""
+    from vllm.lora.request import LoRARequest
+
+    paths = list(dict.fromkeys(r["lora"] for r in requests if r.get("lora")))
+    if not paths:
+        return {}
+    ids = {path: i + 1 for i, path in enumerate(paths)}
+    return {
+        "lora_request": [
+            LoRARequest(f"adapter{ids[r['lora']]}", ids[r["lora"]], r["lora"])
+            if r.get("lora")
+            else None
+            for r in requests
+        ]
+    }
+
+
 def generate(ckpt: str, k: int, engine: dict, requests: list[dict], placement=None) -> dict:
-    """Greedy outputs of ``requests``; with ``k``, drafting at every batch size (these runs
+    """Greedy outputs of ``requests`` (``"lora"``: an adapter directory, with
+    ``enable_lora`` in ``engine``); with ``k``, drafting at every batch size (these runs
     check losslessness, not the policy) and per-request speculation metrics."""
     from vllm import SamplingParams
 
@@ -53,7 +73,8 @@ def generate(ckpt: str, k: int, engine: dict, requests: list[dict], placement=No
         SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
         for r in requests
     ]
-    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
+    loras = _lora_requests(requests)
+    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False, **loras)
     per_request = [o.outputs[0].spec_decode_metrics for o in outs]
     return {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],

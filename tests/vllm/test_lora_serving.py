@@ -53,3 +53,45 @@ def test_requests_without_an_adapter_are_served_by_the_base_model(base_model_dir
     # (V1 always takes the prefill path, which skips LoRA for a batch without adapters).
     assert unpatched["mixed"][1] != want[0] and unpatched["mixed"][2] != want[1]
     assert unpatched["alone"] == want and unpatched["mixed"][0] == patched["mixed"][0]
+
+
+def random_peft_adapter(model_dir, out, targets=("q_proj", "v_proj", "o_proj", "down_proj")):
+    """A rank-8 PEFT adapter of ``model_dir`` with random A and B."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=list(targets), init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+SPEC_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "SELECT name FROM singer WHERE age > 30; SELECT name FROM singer WHERE",
+    "one two three four five six seven eight nine ten eleven twelve",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
+]
+
+
+def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, tmp_path):
+    # Each stream row takes its own request's adapter through the MSA layers
+    # (model_executor/lora_streams.py); the main rows stay vLLM's. Two adapters and base
+    # requests in one batch: the streams must neither crash nor change an output.
+    first = random_peft_adapter(tiny_merged, tmp_path / "a1")
+    second = random_peft_adapter(tiny_merged, tmp_path / "a2", targets=("gate_proj", "up_proj"))
+    requests = [
+        {"prompt": p, "max_tokens": 24, "lora": lora}
+        for p, lora in zip(SPEC_PROMPTS, [str(first), None, str(second), str(first)])
+    ]
+    engine = {"max_model_len": 512, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    plain, _ = run_child("generate", ckpt=str(tiny_merged), k=0, engine=engine, requests=requests)
+    spec, _ = run_child("generate", ckpt=str(tiny_merged), k=3, engine=engine, requests=requests)
+    assert spec["tokens"] == plain["tokens"]
+    assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0
+    # the adapters are active: the same prompt with and without one decodes differently
+    base_only = [{**r, "lora": None} for r in requests]
+    base, _ = run_child("generate", ckpt=str(tiny_merged), k=0, engine=engine, requests=base_only)
+    assert base["tokens"][0] != plain["tokens"][0] and base["tokens"][1] == plain["tokens"][1]

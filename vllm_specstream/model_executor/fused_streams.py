@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.lora_streams import fused_lora_linear, is_lora_wrapped
 from vllm_specstream.model_executor.stream_forward import StreamRunner, StreamStart, rms_norm
 from vllm_specstream.model_executor.stream_weights import layer_linears
 from vllm_specstream.stream_layer import ATTEND, PROJECTIONS, StreamLayer
@@ -74,6 +75,8 @@ class FusedStreams:
         """Make ``module`` carry the stream rows when the active pass is at ``stage`` of
         MSA layer ``index`` (vLLM calls each projection once per layer and forward)."""
         original = module.forward
+        # A vLLM LoRA wrapper: the stream rows take its base layer and their own delta.
+        lora = is_lora_wrapped(module)
 
         def forward(x, *args, **kwargs):
             p = self.active
@@ -85,6 +88,12 @@ class FusedStreams:
                 self._advance(p, None)
             if p.stage != stage:
                 return original(x, *args, **kwargs)
+            if lora:
+                main, stream = fused_lora_linear(
+                    module, x, p.pending, self.runner.lora.row_slots, *args, **kwargs
+                )
+                self._advance(p, stream)
+                return main
             n = x.shape[0]
             out = original(torch.cat((x, p.pending.to(x.dtype))), *args, **kwargs)
             y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)

@@ -40,6 +40,7 @@ from vllm_specstream.model_executor.forward_batch import (
     no_forward_batch_reason,
 )
 from vllm_specstream.model_executor.fused_streams import FusedStreams
+from vllm_specstream.model_executor.lora_streams import base_logits_processor
 from vllm_specstream.model_executor.stash import StreamStash
 from vllm_specstream.model_executor.stream_forward import (
     StreamParams,
@@ -274,11 +275,20 @@ class SpecStreamMixin:
             return  # e.g. a step of partial prefills only: no request drafts
         hidden = self._stream_runner()(msa_input, stash.batch, anchors, num_streams)
         rows = hidden[valid].reshape(-1, hidden.shape[-1])
+        self._write_drafts(stash, anchors, self._stream_logits(rows), hidden.shape[2])
+
+    def _stream_logits(self, rows: torch.Tensor):
+        """Logits of stream rows on their own: the prepacked LM head if there is one, else
+        vLLM's logits processor without its LoRA wrapper (whose adapter mapping has one entry
+        per sampled main row). Any positive logit scale or soft cap keeps the argmax of the
+        plain projection (the confidence rule reads its softmax: exact for Llama/Qwen2,
+        which have neither)."""
         head = self._runner.weights.lm_head
-        # Any positive logit scale or soft cap keeps the argmax of the plain projection (the
-        # confidence rule reads its softmax: exact for Llama/Qwen2, which have neither).
-        logits = head(rows) if head is not None else super().compute_logits(rows)
-        self._write_drafts(stash, anchors, logits, hidden.shape[2])
+        if head is not None:
+            return head(rows)
+        if self._runner.lora is not None:
+            return base_logits_processor(self.logits_processor)(self.lm_head, rows)
+        return super().compute_logits(rows)
 
     def compute_logits(self, hidden_states: torch.Tensor):
         """vLLM's logits; after a fused window pass the streams' final states go through
@@ -288,6 +298,10 @@ class SpecStreamMixin:
             return super().compute_logits(hidden_states)
         stash, anchors, hidden = pending
         rows = hidden[anchors >= 0].reshape(-1, hidden.shape[-1])
+        if self._runner.lora is not None:  # two calls: the LoRA mapping is the main rows'
+            main = super().compute_logits(hidden_states)
+            self._write_drafts(stash, anchors, self._stream_logits(rows), hidden.shape[2])
+            return main
         n = hidden_states.shape[0]
         logits = super().compute_logits(torch.cat((hidden_states, rows.to(hidden_states.dtype))))
         self._write_drafts(stash, anchors, None if logits is None else logits[n:], hidden.shape[2])

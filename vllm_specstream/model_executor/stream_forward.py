@@ -24,6 +24,7 @@ from torch import nn
 
 from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.lora_streams import StreamLoRA, first_lora_module
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stream_weights import StreamWeights
 from vllm_specstream.stream_layer import StreamLayer, run_layer, stream_layer
@@ -130,7 +131,13 @@ class StreamRunner:
                 "the base model normalises queries/keys per head (qk_norm); the stream "
                 "layers do not implement it yet"
             )
-        self.weights = weights or StreamWeights.of_modules(self.layers)
+        # Under vLLM multi-LoRA, each stream row gets its own request's adapter delta.
+        lora_module = first_lora_module(self.layers)
+        self.lora = StreamLoRA(lora_module) if lora_module is not None else None
+        if self.lora is not None:
+            self.weights = self.lora.weights(self.layers, weights)
+        else:
+            self.weights = weights or StreamWeights.of_modules(self.layers)
         self._layouts: dict[int, PagedKVLayout] = {}
 
     def _layout(self, attn, kv_cache: Tensor) -> PagedKVLayout:
@@ -187,6 +194,8 @@ class StreamRunner:
         context = torch.arange(p_max)[None, :].expand(r, p_max)
         context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
         main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
+        if self.lora is not None:
+            self.lora.begin(batch, s.shape[1] * s.shape[2])
         return StreamStart(
             s=s.reshape(-1, s.shape[-1]),
             shape=s.shape,

@@ -135,6 +135,10 @@ class LayerMatmuls:
     def of_modules(cls, layer: nn.Module) -> LayerMatmuls:
         return cls(*(module_matmul(m) for m in layer_linears(layer)))
 
+    def matmuls(self) -> tuple[Matmul, Matmul, Matmul, Matmul]:
+        """The four, in :func:`layer_linears` order."""
+        return self.qkv, self.o, self.gate_up, self.down
+
     @classmethod
     def packed(cls, layer: nn.Module) -> LayerMatmuls:
         """bf16 copies of a layer's (loaded, not yet post-processed) weights."""

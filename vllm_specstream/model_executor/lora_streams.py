@@ -1,0 +1,127 @@
+"""Stream rows through vLLM's LoRA-wrapped layers (``enable_lora``): the one touch point.
+
+Under multi-LoRA serving every linear of the decoder is a vLLM ``*WithLoRA`` wrapper whose
+adapter deltas follow one per-token slot mapping for the main batch (the punica wrapper's
+``token_lora_indices``); stream rows pushed through the wrapper would break that mapping (a
+crash, or at batch 1 the one request's slot applied by accident). So a stream row takes the
+wrapper's *base* layer, in the same call as the main rows where the pass is fused, plus its
+own request's adapter delta computed here from the wrapper's stacked slot buffers: the
+streams then run through the MSA layers with the request's LoRA, as in training. The main
+rows get exactly what the wrapper gives them (base output, then vLLM's own LoRA call).
+
+Facts relied on (vLLM 0.32; ``tests/vllm/test_lora_serving.py`` fails when they change):
+``base_layer``, ``lora_a_stacked`` / ``lora_b_stacked`` (one ``[slots, 1, rank, in]`` /
+``[slots, 1, out_j, rank]`` pair per output slice, ``B`` already scaled by alpha / r),
+``output_slices``, ``punica_wrapper.token_lora_indices`` (slot per main token, -1 none) and
+``_apply_lora_to_output`` on each wrapper; ``LogitsProcessorWithLoRA.base_layer``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.stream_weights import (
+    LayerMatmuls,
+    Matmul,
+    StreamWeights,
+    layer_linears,
+    module_matmul,
+)
+from vllm_specstream.patches.cpu_lora_ops import lora_matmul
+
+Tensor = torch.Tensor
+
+
+def is_lora_wrapped(module: nn.Module) -> bool:
+    """Whether ``module`` is a vLLM LoRA wrapper of a linear layer."""
+    return all(
+        hasattr(module, name)
+        for name in ("base_layer", "lora_a_stacked", "lora_b_stacked", "punica_wrapper")
+    )
+
+
+def request_slots(lora_module: nn.Module, batch: ForwardBatch) -> Tensor:
+    """``[R]`` LoRA slot of each request of the running forward (-1: no adapter), read from
+    the slot of its first scheduled token."""
+    indices = lora_module.punica_wrapper.token_lora_indices
+    return indices[batch.query_start_loc[:-1]].long()
+
+
+def stream_delta(module: nn.Module, s: Tensor, slots: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[N, sum(output_slices)]``: each stream row's adapter delta (zero for slot -1), as
+    vLLM's CPU ops compute it for main rows (shrink in fp32, expand in the output dtype)."""
+    out = s.new_zeros(s.shape[0], sum(module.output_slices), dtype=dtype)
+    offset = 0
+    for a, b, width in zip(module.lora_a_stacked, module.lora_b_stacked, module.output_slices):
+        shrunk = lora_matmul(s, a, slots, torch.float32)
+        out[:, offset : offset + width] = lora_matmul(shrunk, b, slots, dtype)
+        offset += width
+    return out
+
+
+def _split(out):
+    return (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+
+
+def fused_lora_linear(module: nn.Module, x: Tensor, s: Tensor, slots: Tensor, *args, **kwargs):
+    """A LoRA-wrapped linear over the main rows ``x`` and the stream rows ``s`` (request slot
+    per stream row: ``slots``) in one base call. Returns ``(main output as the wrapper returns
+    it, stream rows' output)``."""
+    n = x.shape[0]
+    y, rest = _split(module.base_layer(torch.cat((x, s.to(x.dtype))), *args, **kwargs))
+    main = module._apply_lora_to_output(x, y[:n])
+    stream = y[n:] + stream_delta(module, s, slots, y.dtype)
+    return ((main, *rest) if rest is not None else main), stream
+
+
+class StreamLoRA:
+    """The adapter slot of each stream row of the current pass, and the stream rows'
+    projections through a LoRA-wrapped layer with them."""
+
+    def __init__(self, lora_module: nn.Module):
+        self.lora_module = lora_module  # any wrapper: they share one punica wrapper
+        self.row_slots: Tensor | None = None
+
+    def begin(self, batch: ForwardBatch, rows_per_request: int) -> None:
+        """Slots of a pass whose rows are ``rows_per_request`` per request, request-major."""
+        self.row_slots = request_slots(self.lora_module, batch).repeat_interleave(rows_per_request)
+
+    def weights(self, layers: list[nn.Module], packed: StreamWeights | None) -> StreamWeights:
+        """The second pass's matmuls: each wrapped projection's base (``packed``'s copy if
+        given, else the base layer) plus the stream rows' adapter deltas."""
+        out = []
+        for i, layer in enumerate(layers):
+            matmuls = []
+            for j, module in enumerate(layer_linears(layer)):
+                base = (
+                    packed.layers[i].matmuls()[j]
+                    if packed is not None
+                    else module_matmul(getattr(module, "base_layer", module))
+                )
+                matmuls.append(self._with_delta(module, base) if is_lora_wrapped(module) else base)
+            out.append(LayerMatmuls(*matmuls))
+        return StreamWeights(out, packed.lm_head if packed is not None else None)
+
+    def _with_delta(self, module: nn.Module, base: Matmul) -> Matmul:
+        def run(x: Tensor) -> Tensor:
+            y = base(x)
+            return y + stream_delta(module, x, self.row_slots, y.dtype)
+
+        return run
+
+
+def first_lora_module(layers: list[nn.Module]) -> nn.Module | None:
+    """A LoRA wrapper among the MSA layers' projections (None: LoRA is off)."""
+    for layer in layers:
+        for module in layer_linears(layer):
+            if is_lora_wrapped(module):
+                return module
+    return None
+
+
+def base_logits_processor(processor: nn.Module) -> nn.Module:
+    """vLLM's plain logits processor under a ``LogitsProcessorWithLoRA`` (whose LoRA mapping
+    has one index per sampled main row)."""
+    return getattr(processor, "base_layer", processor)
