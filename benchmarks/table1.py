@@ -38,8 +38,9 @@ TASKS = (
     Task("e2e", "E2E NLG (unseen MRs)", ("rouge1", "rougeLsum"), 3.72),
     Task("dialogsum", "DialogSum (unseen dialogues)", ("rouge1", "rougeLsum"), 2.62),
 )
-#: Methods of ``specstream bench``, in the order of the table.
-METHODS = ("plain", "ngram", "suffix", "medusa", "specstream")
+#: Methods of ``specstream bench``, in the order of the table (``plain-control``: a second
+#: plain engine, the run's noise floor).
+METHODS = ("plain", "plain-control", "ngram", "suffix", "medusa", "specstream")
 
 
 def _read(path: Path) -> dict | None:
@@ -165,12 +166,14 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(2.4 + 2.2 * len(tasks), 3.6))
     width = 0.8 / len(methods)
     for j, method in enumerate(methods):
+        labelled = False
         for i, task in enumerate(tasks):
             row = next((r for r in measured if r["task"] == task and r["method"] == method), None)
             if row is None:
                 continue
             x = i + (j - (len(methods) - 1) / 2) * width
-            ax.bar(x, row["speedup"], width, color=f"C{j}", label=method if i == 0 else None)
+            ax.bar(x, row["speedup"], width, color=f"C{j}", label=None if labelled else method)
+            labelled = True
             ax.text(x, row["speedup"], f"{row['cr_ratio']:.2f}", ha="center", va="bottom", size=7)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(tasks)), [t.split(" (")[0] for t in tasks])
