@@ -95,7 +95,9 @@ def task_prompts(task: str) -> list[str]:
     raise SystemExit(f"the demo has no prompts for task {task!r} (train_args.json of the adapter)")
 
 
-def generate(checkpoint: Path, prompts: list[str], k: int, max_tokens: int) -> dict:
+def generate(
+    checkpoint: Path, prompts: list[str], k: int, max_tokens: int, adaptive: bool = True
+) -> dict:
     from vllm import LLM, SamplingParams
 
     from vllm_specstream import speculative_config
@@ -103,7 +105,7 @@ def generate(checkpoint: Path, prompts: list[str], k: int, max_tokens: int) -> d
 
     kw = cpu_engine_kwargs(dtype="float32")  # fp32: greedy outputs comparable token for token
     if k:
-        kw["speculative_config"] = speculative_config(k)
+        kw["speculative_config"] = speculative_config(k, adaptive=adaptive)
     llm = LLM(model=str(checkpoint), disable_log_stats=False, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
@@ -150,6 +152,11 @@ def main() -> None:
     )
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument(
+        "--fixed",
+        action="store_true",
+        help="draft k tokens at every step (default: the adaptive policy drafts as many as pay)",
+    )
     parser.add_argument("--log", type=Path, help="vLLM's log (default: SPECSTREAM_HOME/logs)")
     args = parser.parse_args()
 
@@ -177,7 +184,7 @@ def main() -> None:
             runs = {}
             for name, k in (("plain vLLM", 0), (f"specstream (k={args.k})", args.k)):
                 screen.write(f"  {name}: starting the engine, {len(prompts)} prompts ...\n")
-                runs[name] = generate(checkpoint, chats, k, args.max_tokens)
+                runs[name] = generate(checkpoint, chats, k, args.max_tokens, not args.fixed)
         except BaseException:
             screen.write(f"failed; the cause is at the end of {log}\n")
             raise
