@@ -53,76 +53,61 @@ def _metric(evaluation: dict | None, task: Task) -> str:
     return " / ".join(f"{evaluation[m]:.1f}" for m in task.metrics if m in evaluation) or "-"
 
 
+def _row(task: Task, method: str, metric: str = "-", **measured) -> dict:
+    """One table row; the measurements a row lacks are None (shown as "-")."""
+    keys = ("speedup", "decode_speedup", "cr_ratio", "tokens_per_step", "extra_params")
+    return {"task": task.title, "method": method, "metric": metric} | {
+        key: measured.get(key) for key in keys
+    }
+
+
 def task_rows(task: Task, results: Path) -> list[dict]:
     """The table's rows for ``task``: vLLM methods at batch 1, then the reference decoder."""
     bench = _read(results / task.name / "bench.json")
     spec_eval = _read(results / task.name / "eval-specstream.json")
     ntp_eval = _read(results / task.name / "eval-ntp.json")
-    rows = []
-    by_method = {}
-    for row in (bench or {}).get("rows", []):
-        if row["temperature"] == 0 and row["batch_size"] == 1:
-            by_method[row["method"]] = row
-    for method in METHODS:
-        row = by_method.get(method)
-        if row is None:
-            continue
+    by_method = {
+        row["method"]: row
+        for row in (bench or {}).get("rows", [])
+        if row["temperature"] == 0 and row["batch_size"] == 1
+    }
+    rows = [
         # Every method is lossless against plain: same outputs, same metric (the bench checks).
-        metric = _metric(spec_eval, task) if row["lossless"] else "differs"
-        rows.append(
-            {
-                "task": task.title,
-                "method": method,
-                "speedup": row["speedup"],
-                "decode_speedup": row.get("decode_speedup"),
-                "cr_ratio": row["cr_ratio"],
-                "tokens_per_step": row["tokens_per_step"],
-                "metric": metric,
-                "extra_params": row["extra_params"],
-            }
+        _row(
+            task,
+            method,
+            _metric(spec_eval, task) if row["lossless"] else "differs",
+            speedup=row["speedup"],
+            decode_speedup=row.get("decode_speedup"),
+            cr_ratio=row["cr_ratio"],
+            tokens_per_step=row["tokens_per_step"],
+            extra_params=row["extra_params"],
         )
+        for method in METHODS
+        if (row := by_method.get(method)) is not None
+    ]
     if spec_eval:
+        tps = spec_eval["tokens_per_step"]
         rows.append(
-            {
-                "task": task.title,
-                "method": "specstream, reference decoder (chain / tree)",
-                "speedup": None,
-                "decode_speedup": None,
-                "cr_ratio": None,
-                "tokens_per_step": (
-                    spec_eval["tokens_per_step"]["chain"],
-                    spec_eval["tokens_per_step"].get("tree"),
-                ),
-                "metric": _metric(spec_eval, task),
-                "extra_params": spec_eval.get("extra_params"),
-            }
+            _row(
+                task,
+                "specstream, reference decoder (chain / tree)",
+                _metric(spec_eval, task),
+                tokens_per_step=(tps["chain"], tps.get("tree")),
+                extra_params=spec_eval.get("extra_params"),
+            )
         )
     if ntp_eval:
         rows.append(
-            {
-                "task": task.title,
-                "method": "ntp LoRA baseline (same data, steps)",
-                "speedup": None,
-                "decode_speedup": None,
-                "cr_ratio": None,
-                "tokens_per_step": None,
-                "metric": _metric(ntp_eval, task),
-                "extra_params": 0,
-            }
+            _row(
+                task,
+                "ntp LoRA baseline (same data, steps)",
+                _metric(ntp_eval, task),
+                extra_params=0,
+            )
         )
     if rows:
-        rows.append(
-            {
-                "task": task.title,
-                "method": "paper, OPT-1.3b, trees",
-                "speedup": None,
-                "decode_speedup": None,
-                "cr_ratio": task.paper_cr,
-                "tokens_per_step": None,
-                "metric": "-",
-                "extra_params": None,
-            }
-        )
+        rows.append(_row(task, "paper, OPT-1.3b, trees", cr_ratio=task.paper_cr))
     return rows
 
 

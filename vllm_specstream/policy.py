@@ -241,10 +241,11 @@ class DraftPolicy:
     """A :class:`~vllm_specstream.step_cost.StepCostTable`, or :class:`MeasuredCost` over one."""
     stats: AcceptanceStats
     margin: float = 0.15
-    """A step with drafts must beat a plain one by this much. The costs compare steps of
-    this engine; a speculating engine's plain step itself costs 3-11% more than plain vLLM's
-    (spec-decode bookkeeping, the proposer; measured on AVX2 at batch 1), and a request's
-    prefill runs the streams at its last token: a smaller expected gain is not one."""
+    """A step with drafts must beat a plain one by this much: the cost and acceptance
+    estimates are each off by several percent on a small VM (engines differ by +-7% from one
+    start to the next), a step that drafts nothing still costs ~1% more than plain vLLM's,
+    and a request's prefill runs the streams at its last token. On Spider at batch 1 (AVX2)
+    a 3% margin ran at 0.85x plain, this one at 0.95x (``benchmarks/README.md``)."""
     probe_every: int = 64
     calibrate_every: int = 16
     """While the batch's bucket has drafting step times but too few plain ones to compare

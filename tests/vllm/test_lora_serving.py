@@ -13,21 +13,26 @@ PROMPTS = [
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def random_adapter(base_model_dir, tmp_path_factory):
-    """A rank-8 PEFT adapter with random A and B (large enough to change greedy outputs)."""
+def random_peft_adapter(
+    model_dir, out, targets=("q_proj", "v_proj", "o_proj", "down_proj"), seed: int = 1
+):
+    """A rank-8 PEFT adapter of ``model_dir`` with random A and B."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(base_model_dir, torch_dtype=torch.float32)
-    config = LoraConfig(
-        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
-    )
-    out = tmp_path_factory.mktemp("lora") / "random-adapter"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=list(targets), init_lora_weights=False)
     get_peft_model(model, config).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def random_adapter(base_model_dir, tmp_path_factory):
+    """Random A and B on the attention projections (large enough to change greedy outputs)."""
+    out = tmp_path_factory.mktemp("lora") / "random-adapter"
+    return random_peft_adapter(base_model_dir, out, ("q_proj", "v_proj", "o_proj"), seed=0)
 
 
 def test_requests_without_an_adapter_are_served_by_the_base_model(base_model_dir, random_adapter):
@@ -53,19 +58,6 @@ def test_requests_without_an_adapter_are_served_by_the_base_model(base_model_dir
     # (V1 always takes the prefill path, which skips LoRA for a batch without adapters).
     assert unpatched["mixed"][1] != want[0] and unpatched["mixed"][2] != want[1]
     assert unpatched["alone"] == want and unpatched["mixed"][0] == patched["mixed"][0]
-
-
-def random_peft_adapter(model_dir, out, targets=("q_proj", "v_proj", "o_proj", "down_proj")):
-    """A rank-8 PEFT adapter of ``model_dir`` with random A and B."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=list(targets), init_lora_weights=False)
-    get_peft_model(model, config).save_pretrained(out)
-    return out
 
 
 SPEC_PROMPTS = [

@@ -28,7 +28,12 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora_streams import fused_lora_linear, is_lora_wrapped
+from vllm_specstream.model_executor.lora_streams import (
+    fused_lora_linear,
+    is_lora_wrapped,
+    join_output,
+    split_output,
+)
 from vllm_specstream.model_executor.stream_forward import StreamRunner, StreamStart, rms_norm
 from vllm_specstream.model_executor.stream_weights import layer_linears
 from vllm_specstream.stream_layer import ATTEND, PROJECTIONS, StreamLayer
@@ -96,10 +101,9 @@ class FusedStreams:
                 return main
             n = x.shape[0]
             out = original(torch.cat((x, p.pending.to(x.dtype))), *args, **kwargs)
-            y, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+            y, rest = split_output(out)
             self._advance(p, y[n:])
-            main = y[:n]
-            return (main, *rest) if rest is not None else main
+            return join_output(y[:n], rest)
 
         module.forward = forward
 

@@ -61,8 +61,14 @@ def stream_delta(module: nn.Module, s: Tensor, slots: Tensor, dtype: torch.dtype
     return out
 
 
-def _split(out):
+def split_output(out):
+    """A vLLM linear's result as ``(output, the rest of its tuple or None)``."""
     return (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+
+
+def join_output(y: Tensor, rest):
+    """``y`` in the form :func:`split_output` took apart."""
+    return (y, *rest) if rest is not None else y
 
 
 def fused_lora_linear(module: nn.Module, x: Tensor, s: Tensor, slots: Tensor, *args, **kwargs):
@@ -70,10 +76,10 @@ def fused_lora_linear(module: nn.Module, x: Tensor, s: Tensor, slots: Tensor, *a
     per stream row: ``slots``) in one base call. Returns ``(main output as the wrapper returns
     it, stream rows' output)``."""
     n = x.shape[0]
-    y, rest = _split(module.base_layer(torch.cat((x, s.to(x.dtype))), *args, **kwargs))
+    y, rest = split_output(module.base_layer(torch.cat((x, s.to(x.dtype))), *args, **kwargs))
     main = module._apply_lora_to_output(x, y[:n])
     stream = y[n:] + stream_delta(module, s, slots, y.dtype)
-    return ((main, *rest) if rest is not None else main), stream
+    return join_output(main, rest), stream
 
 
 class StreamLoRA:
@@ -93,15 +99,20 @@ class StreamLoRA:
         given, else the base layer) plus the stream rows' adapter deltas."""
         out = []
         for i, layer in enumerate(layers):
-            matmuls = []
-            for j, module in enumerate(layer_linears(layer)):
-                base = (
-                    packed.layers[i].matmuls()[j]
-                    if packed is not None
-                    else module_matmul(getattr(module, "base_layer", module))
+            modules = layer_linears(layer)
+            bases = (
+                packed.layers[i].matmuls()
+                if packed is not None
+                else [module_matmul(getattr(m, "base_layer", m)) for m in modules]
+            )
+            out.append(
+                LayerMatmuls(
+                    *(
+                        self._with_delta(m, base) if is_lora_wrapped(m) else base
+                        for m, base in zip(modules, bases)
+                    )
                 )
-                matmuls.append(self._with_delta(module, base) if is_lora_wrapped(module) else base)
-            out.append(LayerMatmuls(*matmuls))
+            )
         return StreamWeights(out, packed.lm_head if packed is not None else None)
 
     def _with_delta(self, module: nn.Module, base: Matmul) -> Matmul:
