@@ -16,10 +16,10 @@ import torch
 
 from vllm_specstream.decode_math import (
     DraftTree,
-    build_tree,
-    chain_accept_length,
+    draft_tree,
     prune_tree,
-    tree_accept,
+    tree_accept_greedy,
+    tree_template,
 )
 from vllm_specstream.training.model import KVCache, SpecStreamModel
 
@@ -59,6 +59,13 @@ def _stream_topk(model: SpecStreamModel, stream_hidden: Tensor, k: int, n: int) 
     return logits.topk(k, dim=-1).indices.tolist()
 
 
+def _accept(tree: DraftTree, target: list[int]) -> list[int]:
+    """Accepted node indices of ``tree``, root first (the batched rule on one request)."""
+    parents, tokens = (torch.tensor(x[1:], dtype=torch.long) for x in (tree.parents, tree.tokens))
+    accepted = tree_accept_greedy(parents - 1, tokens, torch.tensor(target))
+    return [0, *(accepted.path[: accepted.num_accepted] + 1).tolist()]
+
+
 @torch.no_grad()
 def plain_greedy(
     model: SpecStreamModel, prompt: list[int], max_new_tokens: int, eos_token_id: int | None
@@ -96,12 +103,13 @@ def speculative_generate(
         )
     if top_k > 1 and prune_threshold is None and model.prune_a is not None:
         prune_threshold = model.config.prune.threshold
+    template = tree_template(n_spec, top_k)
     out = model(torch.tensor([prompt]), anchors=torch.tensor([[len(prompt) - 1]]), use_cache=True)
     result = DecodeResult(tokens=[_argmax(model, out.main_hidden[0, -1])])
     cache, past = out.cache, len(prompt)
     candidates = _stream_topk(model, out.stream_hidden[0, 0], top_k, n_spec)
     while len(result.tokens) < max_new_tokens and result.tokens[-1] != eos_token_id:
-        tree = build_tree(result.tokens[-1], candidates)
+        tree = draft_tree(template, result.tokens[-1], candidates)
         if top_k > 1 and prune_threshold is not None:
             tree = _prune(model, tree, cache, past, prune_threshold)
         n = len(tree.tokens)
@@ -114,10 +122,7 @@ def speculative_generate(
             new_mask=tree.ancestor_mask()[None],
         )
         target = _argmax(model, out.main_hidden[0])
-        if top_k == 1:
-            path = list(range(chain_accept_length(list(tree.tokens[1:]), target) + 1))
-        else:
-            path = tree_accept(tree, target)
+        path = _accept(tree, target)
         result.steps += 1
         result.accepted.append(len(path) - 1)
         new_tokens = [tree.tokens[i] for i in path[1:]] + [target[path[-1]]]
