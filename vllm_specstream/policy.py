@@ -252,6 +252,27 @@ class DraftPolicy:
     (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing."""
     idle_steps: int = field(default=0, init=False)
     drafting_steps: int = field(default=0, init=False)
+    decisions: dict[int, int] = field(default_factory=dict, init=False)
+    """How many steps got each draft length (for :meth:`summary`)."""
+
+    def summary(self, batch_size: int) -> str:
+        """One line: the draft lengths chosen so far, the acceptance estimate, and the cost
+        ratios the policy now uses at ``batch_size`` (for debug logs)."""
+        rates = " ".join(f"{r:.2f}" for r in self.stats.accept_rates())
+        costs = " ".join(f"{self.cost.ratio(batch_size, k):.2f}" for k in range(1, self.k_max + 1))
+        chosen = " ".join(f"k{k}:{n}" for k, n in sorted(self.decisions.items()))
+        line = (
+            f"steps by draft length {chosen}; P(accept) {rates}; cost at batch {batch_size} {costs}"
+        )
+        if isinstance(self.cost, MeasuredCost):
+            bucket = batch_bucket(batch_size)
+            medians = {k: m for k in range(self.k_max + 1) if (m := self.cost._median(bucket, k))}
+            measured = " ".join(f"k{k}:{1e3 * m:.1f}" for k, m in medians.items())
+            line += (
+                f" (table x {self.cost.correction(batch_size):.2f} from measured steps; "
+                f"median step ms {measured or 'none yet'})"
+            )
+        return line
 
     def expected_speedup(self, batch_size: int, k: int, rates: np.ndarray | None = None) -> float:
         rates = self.stats.accept_rates() if rates is None else rates
@@ -269,6 +290,11 @@ class DraftPolicy:
         return best_k
 
     def draft_length(self, batch_size: int) -> int:
+        k = self._draft_length(batch_size)
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+        return k
+
+    def _draft_length(self, batch_size: int) -> int:
         k = self.best_length(batch_size)
         if k > 0:
             self.idle_steps = 0

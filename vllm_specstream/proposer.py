@@ -10,6 +10,8 @@ draft nothing are watched (:mod:`vllm_specstream.draft_watch`).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from vllm_specstream.config import ConfigError
@@ -27,6 +29,9 @@ from vllm_specstream.policy import (
 from vllm_specstream.step_cost import table_for
 
 logger = init_logger(__name__)
+
+#: Proposer calls between the policy's debug summaries (``VLLM_LOGGING_LEVEL=DEBUG``).
+SUMMARY_EVERY = int(os.environ.get("SPECSTREAM_POLICY_LOG_EVERY", "256"))
 
 
 def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spec: int) -> int:
@@ -126,6 +131,7 @@ class SpecStreamProposer:
         self.target = None
         #: Stashes refused as not this step's (each one: a step without drafts).
         self.refused_stashes = 0
+        self.calls = 0
         self.watch = NoDraftWatch()
 
     def load_model(self, target_model) -> None:
@@ -167,6 +173,9 @@ class SpecStreamProposer:
                 self.policy.cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
             )
         k = self.draft_length(len(sampled_token_ids))
+        self.calls += 1
+        if self.policy is not None and self.calls % SUMMARY_EVERY == 0:
+            logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
         self.target.window_streams = k  # the next forward's window streams (if placed there)
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
