@@ -180,6 +180,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy(args: argparse.Namespace) -> int:
+    from vllm_specstream.adapter_deployment import plan_deployment
+
+    adapters = {}
+    for item in args.adapters:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            print(f"specstream deploy: error: {item!r} is not NAME=DIR", file=sys.stderr)
+            return 2
+        adapters[name] = path
+    plan = plan_deployment(args.base, adapters)
+    if args.overrides:
+        print(json.dumps(plan.overrides()))
+    else:
+        print(plan.serve_command(args.spec_tokens))
+    return 0
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -260,7 +278,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             else tuple(
                 m
                 for m in METHODS
-                if m not in ("specstream-fixed", "plain-control")
+                if m not in ("specstream-fixed", "plain-control", "plain-sync")
                 and (args.medusa or m != "medusa")
                 and (has_suffix_decoding() or m != "suffix")
             ),
@@ -420,6 +438,22 @@ def _add_training_parsers(sub) -> None:
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
+        "deploy",
+        help="the vllm serve command for one base and several specstream LoRA adapters",
+        description="Check that specstream adapters (directories written by `specstream train`) "
+        "can be served together on BASE, each request drafting with its own adapter's streams, "
+        "and print the `vllm serve` command (the base served through --hf-overrides; adapters "
+        "must share num_msa_layers).",
+    )
+    p.add_argument("base", help="base model directory (the adapters' base)")
+    p.add_argument("adapters", nargs="+", metavar="NAME=DIR", help="adapter name and directory")
+    p.add_argument("--spec-tokens", type=int, help="drafts per step (default: fewest streams)")
+    p.add_argument(
+        "--overrides", action="store_true", help="print only the hf_overrides JSON (for LLM(...))"
+    )
+    p.set_defaults(func=_cmd_deploy)
+
+    p = sub.add_parser(
         "eval",
         help="tokens/step (reference decoder, chain and tree) and task quality",
         description="Greedy-decode held-out prompts with the reference speculative-streaming "
@@ -468,8 +502,9 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--methods",
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
-        "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off) "
-        "(default: all but plain-control and specstream-fixed; medusa only with --medusa, "
+        "floor),plain-sync (plain without vLLM's async scheduling, which speculating engines "
+        "lose),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off) "
+        "(default: all but plain-control, plain-sync and specstream-fixed; medusa only with --medusa, "
         "suffix only where arctic-inference is importable)",
     )
     p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
@@ -579,7 +614,14 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_specstream.logger import configure_cli_logging
 
     configure_cli_logging()
-    return func(args)
+    from vllm_specstream.config import ConfigError
+
+    try:
+        return func(args)
+    except ConfigError as e:
+        # A bad file, field or flag: the message names it and the fix; no traceback.
+        print(f"specstream {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

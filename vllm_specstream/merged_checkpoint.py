@@ -28,6 +28,10 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 EXPORT_HINT = "export it again with `specstream export ADAPTER OUT --merge`"
 
+#: ``config.json: specstream.adapter_streams_only``: a base model served for specstream LoRA
+#: adapters, with no streams of its own (:mod:`vllm_specstream.adapter_deployment`).
+ADAPTER_STREAMS_ONLY = "adapter_streams_only"
+
 
 def specstream_section(hf_config, where: str = "config.json") -> dict:
     """A copy of ``config.json``'s ``specstream`` section (``hf_config`` is vLLM's
@@ -57,9 +61,19 @@ def read_specstream_section(hf_config, where: str = "config.json") -> SpecStream
     base_architecture(hf_config, where)
     section = specstream_section(hf_config, where)
     section.pop("base_architectures", None)
+    section.pop(ADAPTER_STREAMS_ONLY, None)
     config = SpecStreamConfig.from_dict(section, where=f"{where} (specstream)")
     config.validate(hf_config.num_hidden_layers, where=f"{where} (specstream)")
     return config
+
+
+def adapter_streams_only(hf_config, where: str = "config.json") -> bool:
+    """Whether the served model carries no streams of its own: its requests draft with
+    their LoRA adapter's streams only."""
+    value = specstream_section(hf_config, where).get(ADAPTER_STREAMS_ONLY, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: specstream.{ADAPTER_STREAMS_ONLY} must be true or false")
+    return value
 
 
 def loaded_weight_files(model_dir: Path) -> list[Path]:

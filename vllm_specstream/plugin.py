@@ -27,10 +27,12 @@ def _apply_patches(vllm_version: str) -> None:
 
     from vllm_specstream.patches import apply_patch
     from vllm_specstream.patches.engine_config_check import ENGINE_CONFIG_CHECK
+    from vllm_specstream.patches.lora_adapter_streams import LORA_ADAPTER_STREAMS
     from vllm_specstream.patches.spec_alias import SPEC_ALIAS
 
     apply_patch(SPEC_ALIAS, vllm_version)
     apply_patch(ENGINE_CONFIG_CHECK, vllm_version)
+    apply_patch(LORA_ADAPTER_STREAMS, vllm_version)
     if current_platform.is_cpu():
         from vllm_specstream.patches.cpu_expand_kernel import EXPAND_KERNEL
         from vllm_specstream.patches.cpu_lora_ops import CPU_LORA_OPS

@@ -14,7 +14,12 @@ from pathlib import Path
 
 from vllm_specstream.config import MERGED_ARCHITECTURE, ConfigError
 from vllm_specstream.machine import cpu_class
-from vllm_specstream.merged_checkpoint import check_stream_tensors, read_specstream_section
+from vllm_specstream.merged_checkpoint import (
+    ADAPTER_STREAMS_ONLY,
+    adapter_streams_only,
+    check_stream_tensors,
+    read_specstream_section,
+)
 
 #: Any ``custom_class`` proposer of this package (``--spec-model vllm_specstream.proposer.X``;
 #: the ``specstream`` alias resolves to one before the check runs).
@@ -54,6 +59,7 @@ def check_setup(
     num_speculative_tokens: int | None,
     platform,
     load_format: str = "auto",
+    lora_enabled: bool = False,
 ) -> None:
     """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
     engine config cannot serve: ``model`` is vLLM's model path, ``hf_config`` its parsed
@@ -75,6 +81,14 @@ def check_setup(
             )
         return
     config = read_specstream_section(hf_config, where=config_file)
+    if adapter_streams_only(hf_config, where=config_file):
+        if speculating and not lora_enabled:
+            raise ConfigError(
+                f"{config_file}: specstream.{ADAPTER_STREAMS_ONLY} is set (a base model whose "
+                "requests draft with their LoRA adapter's streams) but LoRA is off; serve "
+                "it with --enable-lora (LLM(..., enable_lora=True))"
+            )
+        return  # no stream tensors of its own to check
     if speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
         g = config.num_streams
         raise ConfigError(

@@ -44,7 +44,9 @@ def make_checkpoint(tmp_path: Path, streams_shape=(3, HIDDEN), **section) -> Pat
     return ckpt
 
 
-def check(ckpt: Path, k: int | None = 2, platform=CPU, method="custom_class", model=PROPOSER):
+def check(
+    ckpt: Path, k: int | None = 2, platform=CPU, method="custom_class", model=PROPOSER, lora=False
+):
     config = json.loads((ckpt / "config.json").read_text())
     check_setup(
         model=str(ckpt),
@@ -53,6 +55,7 @@ def check(ckpt: Path, k: int | None = 2, platform=CPU, method="custom_class", mo
         spec_model=model if k else None,
         num_speculative_tokens=k,
         platform=platform,
+        lora_enabled=lora,
     )
 
 
@@ -218,3 +221,11 @@ def test_the_vllm_hook_serves_a_bf16_checkpoint_in_fp32_where_bf16_is_slow(tmp_p
     other = SimpleNamespace(model=str(ckpt), dtype="auto", speculative_config=None)
     _advise_dtype(other)
     assert other.dtype == "auto"
+
+
+def test_a_base_served_for_adapters_needs_lora_and_no_stream_tensors(tmp_path):
+    ckpt = make_checkpoint(tmp_path, streams_shape=None, adapter_streams_only=True)
+    check(ckpt, lora=True)  # no specstream.safetensors needed: the adapters carry the streams
+    check(ckpt, k=None)  # served without speculation: nothing to draft with, nothing to check
+    with pytest.raises(ConfigError, match="adapter_streams_only.*--enable-lora"):
+        check(ckpt, lora=False)

@@ -82,3 +82,39 @@ def tiny_merged_qwen2(base_model_dir, tmp_path_factory) -> Path:
     return make_tiny_merged(
         base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-qwen2", model_type="qwen2"
     )
+
+
+def make_tiny_adapter(base: Path, out: Path, seed: int, num_streams: int = 3) -> tuple[Path, Path]:
+    """A specstream adapter of the tiny ``base`` with random LoRA (A and B) and streams,
+    saved as ``specstream train`` writes it, and its merged checkpoint: ``(adapter, merged)``."""
+    import torch
+
+    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.training.checkpoint import (
+        LoraSettings,
+        build_model,
+        export_merged,
+        save_adapter,
+    )
+
+    torch.manual_seed(seed)
+    model = build_model(
+        base,
+        SpecStreamConfig(num_streams=num_streams, num_msa_layers=2),
+        LoraSettings(rank=4),
+        stream_init_std=1.0,
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero: the adapter would change nothing
+                p.normal_(0, 0.2)
+    adapter = save_adapter(model, out.with_name(out.name + "-adapter"))
+    return adapter, export_merged(adapter, out, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_merged, tmp_path_factory) -> tuple[Path, list[tuple[Path, Path]]]:
+    """The tiny base and two specstream adapters of it: ``(base, [(adapter, merged), ...])``."""
+    base = tiny_merged.with_name(tiny_merged.name + "-base")
+    root = tmp_path_factory.mktemp("adapters")
+    return base, [make_tiny_adapter(base, root / f"task{i}", seed=10 + i) for i in range(2)]

@@ -207,9 +207,29 @@ def lora_mixed(base: str, adapter: str, prompts: list[str], n: int) -> dict:
     return {"patched": patched, "unpatched": run()}
 
 
+def lora_stash(ckpt: str, k: int, engine: dict, requests: list[dict]) -> list[dict]:
+    """Each request decoded alone (``"lora"``: an adapter directory), drafting ``k`` at every
+    step; its output tokens and the model's last stash (the streams' drafts of the last
+    forward)."""
+    from vllm import SamplingParams
+
+    from vllm_specstream.model_executor.specstream import stash_snapshot
+
+    llm = _llm(ckpt, k, **engine)
+    loras = _lora_requests(requests).get("lora_request", [None] * len(requests))
+    out = []
+    for request, lora in zip(requests, loras):
+        params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
+        o = llm.generate([request["prompt"]], params, lora_request=lora, use_tqdm=False)[0]
+        out.append(
+            {"tokens": list(o.outputs[0].token_ids), "stash": llm.apply_model(stash_snapshot)[0]}
+        )
+    return out
+
+
 CHILDREN = {
     f.__name__: f
-    for f in (generate, probe, fail_to_start, sample, plain_run, reference, lora_mixed)
+    for f in (generate, probe, fail_to_start, sample, plain_run, reference, lora_mixed, lora_stash)
 }
 
 

@@ -87,3 +87,65 @@ def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, t
     base_only = [{**r, "lora": None} for r in requests]
     base, _ = run_child("generate", ckpt=str(tiny_merged), k=0, engine=engine, requests=base_only)
     assert base["tokens"][0] != plain["tokens"][0] and base["tokens"][1] == plain["tokens"][1]
+
+
+#: ``LLM.apply_model`` (the stash snapshot) sends a function to the engine process.
+INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def _deployment(base, adapters) -> dict:
+    from vllm_specstream.adapter_deployment import plan_deployment
+
+    plan = plan_deployment(base, {f"task{i}": str(a) for i, (a, _) in enumerate(adapters)})
+    return {
+        "max_model_len": 512,
+        "enable_lora": True,
+        "max_loras": 2,
+        "max_lora_rank": plan.max_lora_rank,
+        "hf_overrides": plan.overrides(),
+    }
+
+
+def test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment(tiny_adapters):
+    # One base served for two specstream adapters (adapter_deployment): a request's drafts
+    # come from its adapter's streams and LoRA, exactly as that adapter's merged checkpoint
+    # drafts; a request without an adapter drafts nothing (the base has no streams).
+    base, adapters = tiny_adapters
+    engine = _deployment(base, adapters)
+    prompt = {"prompt": SPEC_PROMPTS[0], "max_tokens": 9}
+    requests = [{**prompt, "lora": str(a)} for a, _ in adapters] + [prompt]
+    served = run_child(
+        "lora_stash", ckpt=str(base), k=3, engine=engine, requests=requests, env=INSPECT
+    )[0]
+    for (_, merged), got in zip(adapters, served):
+        want = run_child(
+            "lora_stash",
+            ckpt=str(merged),
+            k=3,
+            engine={"max_model_len": 512},
+            requests=[prompt],
+            env=INSPECT,
+        )[0][0]
+        assert got["tokens"] == want["tokens"]
+        assert got["stash"]["table"] == want["stash"]["table"]
+        assert any(t >= 0 for row in got["stash"]["table"] for t in row)
+    # the adapters are live (outputs differ from the base's), their drafts differ (their
+    # own streams), and the base request has none
+    assert served[0]["tokens"] != served[2]["tokens"] or served[1]["tokens"] != served[2]["tokens"]
+    assert served[0]["stash"]["table"] != served[1]["stash"]["table"]
+    assert all(t < 0 for row in served[2]["stash"]["table"] for t in row)
+
+
+def test_a_base_deployment_is_lossless_over_mixed_adapter_batches(tiny_adapters):
+    base, adapters = tiny_adapters
+    engine = _deployment(base, adapters)
+    first, second = (str(a) for a, _ in adapters)
+    requests = [
+        {"prompt": p, "max_tokens": 24, "lora": lora}
+        for p, lora in zip(SPEC_PROMPTS, [first, None, second, first])
+    ]
+    plain, _ = run_child("generate", ckpt=str(base), k=0, engine=engine, requests=requests)
+    spec, _ = run_child("generate", ckpt=str(base), k=3, engine=engine, requests=requests)
+    assert spec["tokens"] == plain["tokens"]
+    steps = [m["num_spec_steps"] if m else 0 for m in spec["per_request"]]
+    assert steps[0] > 0 and steps[2] > 0 and steps[3] > 0 and steps[1] == 0, steps

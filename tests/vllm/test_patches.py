@@ -299,3 +299,29 @@ def test_lora_patch_is_applied_by_register():
         "print(all(getattr(m, n) is f for m in (lora_ops, punica_cpu) for n, f in R.items()))\n"
     )
     assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
+
+
+@needs_cpu_wheel
+def test_lora_adapter_streams_patch_wraps_vllms_adapter_loading():
+    # Fails when vLLM renames the adapter loader, changes its arguments, or the manager
+    # fields the stream pass reads each step (slot -> adapter id -> adapter object).
+    out = run_python(
+        "import inspect\n"
+        "from vllm.lora.worker_manager import WorkerLoRAManager\n"
+        "from vllm.lora.model_manager import LoRAModelManager, AdapterLRUCache\n"
+        "print(list(inspect.signature(WorkerLoRAManager._load_adapter).parameters))\n"
+        "src = inspect.getsource(LoRAModelManager.__init__)\n"
+        "print('self.lora_index_to_id' in src, '_registered_adapters' in src)\n"
+        "cache = AdapterLRUCache(2, lambda _id: None)\n"
+        "cache[7] = 'adapter'\n"
+        "print(cache.cache.get(7), cache.cache.get(8))\n"
+        "from vllm_specstream.plugin import register\n"
+        "register()\n"
+        "print(hasattr(WorkerLoRAManager._load_adapter, '__wrapped__'))\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-4] == "['self', 'lora_request']"
+    assert lines[-3] == "True True"
+    assert lines[-2] == "adapter None"
+    assert lines[-1] == "True"

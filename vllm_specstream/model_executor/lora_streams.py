@@ -21,6 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_specstream.model_executor.adapter_streams import (
+    AdapterStreams,
+    group_requests,
+    request_streams,
+)
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.stream_weights import (
     LayerMatmuls,
@@ -30,6 +35,7 @@ from vllm_specstream.model_executor.stream_weights import (
     module_matmul,
 )
 from vllm_specstream.patches.cpu_lora_ops import lora_matmul
+from vllm_specstream.stream_math import init_streams, stream_position_ids
 
 Tensor = torch.Tensor
 
@@ -86,9 +92,36 @@ class StreamLoRA:
     """The adapter slot of each stream row of the current pass, and the stream rows'
     projections through a LoRA-wrapped layer with them."""
 
-    def __init__(self, lora_module: nn.Module):
+    def __init__(self, lora_module: nn.Module, lora_manager=None):
         self.lora_module = lora_module  # any wrapper: they share one punica wrapper
+        self.lora_manager = lora_manager  # vLLM's LoRA model manager (slots -> adapters)
         self.row_slots: Tensor | None = None
+
+    def request_streams(
+        self, batch: ForwardBatch, own: AdapterStreams | None
+    ) -> list[AdapterStreams | None]:
+        """Each request's streams: its adapter's (:mod:`.adapter_streams`), ``own`` for
+        requests without an adapter."""
+        slots = request_slots(self.lora_module, batch).tolist()
+        if self.lora_manager is None:
+            return [own if slot < 0 else None for slot in slots]
+        return request_streams(self.lora_manager, slots, own)
+
+    @staticmethod
+    def init_streams(
+        x: Tensor, anchor_pos: Tensor, g: int, streams: list[AdapterStreams | None]
+    ) -> tuple[Tensor, Tensor]:
+        """The ``g`` streams entering the first MSA layer at anchors whose residual states
+        are ``x`` (``[R, A, h]``), ``[R, A, g, h]``, and their rotary positions ``[R, A, g]``:
+        each request with its own streams (zero where it has none; its anchors are -1)."""
+        r, a, h = x.shape
+        s = x.new_zeros(r, a, g, h)
+        pos = anchor_pos.new_zeros(r, a, g)
+        for own, rows in group_requests(streams):
+            idx = torch.tensor(rows)
+            s[idx] = init_streams(x[idx], own.stream_embeddings[:g], own.init_a, own.init_b)
+            pos[idx] = stream_position_ids(anchor_pos[idx], g, own.config.stream_position)
+        return s, pos
 
     def begin(self, batch: ForwardBatch, rows_per_request: int) -> None:
         """Slots of a pass whose rows are ``rows_per_request`` per request, request-major."""

@@ -32,7 +32,12 @@ from vllm.platforms import current_platform
 from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError
 from vllm_specstream.logger import init_logger
-from vllm_specstream.merged_checkpoint import base_architecture, read_specstream_section
+from vllm_specstream.merged_checkpoint import (
+    adapter_streams_only,
+    base_architecture,
+    read_specstream_section,
+)
+from vllm_specstream.model_executor.adapter_streams import Deployment
 from vllm_specstream.model_executor.forward_batch import (
     ForwardBatch,
     attention_layer_name,
@@ -67,7 +72,10 @@ class SpecStreamMixin:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         hf_config = vllm_config.model_config.hf_config
         self.spec_config = read_specstream_section(hf_config)
-        self.specstream = StreamParams(self.spec_config, hf_config.hidden_size)
+        #: False for a base model served for specstream LoRA adapters: its requests draft
+        #: with their adapter's streams only (:mod:`.adapter_streams`).
+        self.own_streams = not adapter_streams_only(hf_config)
+        self.specstream = StreamParams(self.spec_config, hf_config.hidden_size, self.own_streams)
         #: The engine's runtime settings, read once (the proposer reads them from here).
         self.options = read_options(vllm_config)
         self.num_speculative_tokens = self.options.num_speculative_tokens
@@ -78,6 +86,11 @@ class SpecStreamMixin:
             raise ConfigError(
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds the checkpoint's "
                 f"num_streams={self.spec_config.num_streams} (config.json: specstream.num_streams)"
+            )
+        if not self.own_streams and self.num_speculative_tokens and not vllm_config.lora_config:
+            raise ConfigError(
+                "config.json: specstream.adapter_streams_only is set but LoRA is off: its "
+                "requests would have no streams; serve it with --enable-lora"
             )
         n = hf_config.num_hidden_layers
         self.first_msa_layer = n - self.spec_config.num_msa_layers
@@ -130,6 +143,21 @@ class SpecStreamMixin:
         if placement == "window" and self._eager and self._fused is None:
             self._fused = FusedStreams(self._stream_runner())
             logger.info("specstream window placement: stream rows ride along the main forward")
+
+    def adapter_stream_deployment(self) -> Deployment:
+        """What each LoRA adapter's streams must fit (read where vLLM loads an adapter:
+        :mod:`vllm_specstream.patches.lora_adapter_streams`)."""
+        return Deployment(
+            num_msa_layers=self.spec_config.num_msa_layers,
+            hidden_size=self.config.hidden_size,
+            num_hidden_layers=self.config.num_hidden_layers,
+            num_speculative_tokens=self.num_speculative_tokens,
+        )
+
+    @property
+    def stream_dtype(self) -> torch.dtype:
+        """The dtype adapters' stream tensors are loaded in: the model's."""
+        return self._model_dtype
 
     def _stream_runner(self) -> StreamRunner:
         if self._runner is None:
@@ -209,6 +237,7 @@ class SpecStreamMixin:
         if self.placement != "window" or self.window_streams <= 0:
             return False
         anchors = last_window_anchors(batch, self.num_speculative_tokens + 1)
+        anchors = self._fused.runner.anchors_with_streams(batch, anchors)
         self._fused.begin(batch, anchors, self.window_streams)
         return self._fused.active is not None
 
@@ -270,6 +299,7 @@ class SpecStreamMixin:
     ) -> None:
         """Top-1 tokens of the first ``num_streams`` streams (0: all) at ``anchors``
         (``[R, A]``) into ``stash``'s draft table (the other columns stay -1)."""
+        anchors = self._stream_runner().anchors_with_streams(stash.batch, anchors)
         valid = anchors >= 0
         if not bool(valid.any()):
             return  # e.g. a step of partial prefills only: no request drafts

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.model_executor.adapter_streams import AdapterStreams
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.lora_streams import StreamLoRA, first_lora_module
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
@@ -76,8 +77,11 @@ def accepted_anchors(batch: ForwardBatch, rows: list[int], indices: list[int]) -
 class StreamParams(nn.Module):
     """The specstream tensors of a merged checkpoint (``specstream.*``)."""
 
-    def __init__(self, config: SpecStreamConfig, hidden_size: int):
+    def __init__(self, config: SpecStreamConfig, hidden_size: int, own: bool = True):
         super().__init__()
+        if not own:  # a base served for adapters: nothing to load (vLLM checks every parameter)
+            self.stream_embeddings = self.init_a = self.init_b = None
+            return
         # One definition of names and shapes, shared with the front-end's checkpoint check.
         for name, shape in config.stream_tensor_shapes(hidden_size).items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape), requires_grad=False))
@@ -133,7 +137,26 @@ class StreamRunner:
             )
         # Under vLLM multi-LoRA, each stream row gets its own request's adapter delta.
         lora_module = first_lora_module(self.layers)
-        self.lora = StreamLoRA(lora_module) if lora_module is not None else None
+        self.lora = (
+            StreamLoRA(lora_module, getattr(model, "lora_manager", None))
+            if lora_module is not None
+            else None
+        )
+        #: The served checkpoint's own streams (None: a base model served for adapters).
+        self.own = (
+            AdapterStreams(
+                "the served checkpoint",
+                config,
+                params.stream_embeddings,
+                params.init_a,
+                params.init_b,
+            )
+            if getattr(model, "own_streams", True)
+            else None
+        )
+        #: Each request's streams in the current pass (under multi-LoRA; see
+        #: :meth:`anchors_with_streams`).
+        self._request_streams: list[AdapterStreams | None] | None = None
         if self.lora is not None:
             self.weights = self.lora.weights(self.layers, weights)
         else:
@@ -173,6 +196,20 @@ class StreamRunner:
         v = torch.take(kv_cache, v_idx).view(r, p, heads, -1).transpose(1, 2)
         return k, v
 
+    def anchors_with_streams(self, batch: ForwardBatch, anchors: Tensor) -> Tensor:
+        """``anchors`` (``[R, A]``) with -1 for requests that have no streams: under
+        multi-LoRA each request drafts with its adapter's streams (or, without an adapter,
+        the checkpoint's own), and an adapter may have none. Called before every pass: the
+        pass's :meth:`start` reads the streams found here."""
+        if self.lora is None:
+            return anchors
+        self._request_streams = self.lora.request_streams(batch, self.own)
+        without = [i for i, s in enumerate(self._request_streams) if s is None]
+        if without:
+            anchors = anchors.clone()
+            anchors[torch.tensor(without)] = -1
+        return anchors
+
     def start(
         self, msa_input: Tensor, batch: ForwardBatch, anchors: Tensor, num_streams: int = 0
     ) -> StreamStart:
@@ -185,9 +222,13 @@ class StreamRunner:
         g = min(num_streams or self.config.num_streams, self.config.num_streams)
         r = anchors.shape[0]
         p = self.params
-        s = init_streams(msa_input[idx], p.stream_embeddings[:g], p.init_a, p.init_b)
         anchor_pos = batch.positions[idx].long()  # [R, A]
-        flat_pos = stream_position_ids(anchor_pos, g, self.config.stream_position).flatten()
+        if self.lora is None:
+            s = init_streams(msa_input[idx], p.stream_embeddings[:g], p.init_a, p.init_b)
+            flat_pos = stream_position_ids(anchor_pos, g, self.config.stream_position).flatten()
+        else:  # each request with its adapter's streams
+            s, pos = self.lora.init_streams(msa_input[idx], anchor_pos, g, self._request_streams)
+            flat_pos = pos.flatten()
         # Main context of each request: positions 0..(last anchor position).
         ctx_len = torch.where(valid, anchor_pos + 1, torch.zeros_like(anchor_pos)).max(dim=1).values
         p_max = max(int(ctx_len.max()), 1)  # >= 1 keeps the shapes valid without anchors

@@ -37,6 +37,7 @@ def check_vllm_config(vllm_config) -> None:
         num_speculative_tokens=getattr(spec, "num_speculative_tokens", None),
         platform=current_platform,
         load_format=vllm_config.load_config.load_format,
+        lora_enabled=getattr(vllm_config, "lora_config", None) is not None,
     )
 
 
