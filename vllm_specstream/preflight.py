@@ -46,6 +46,14 @@ def check_platform(platform) -> None:
         raise ConfigError(platform_error(name))
 
 
+#: Stream rows through row-parallel LoRA layers are not reduced across ranks yet.
+LORA_TP_ERROR = (
+    "specstream with LoRA adapters (--enable-lora) runs with tensor_parallel_size 1 only, "
+    "got {tp}: serve the adapters with -tp 1 (several replicas for more throughput), or "
+    "serve merged checkpoints (specstream export --merge) with tensor parallelism"
+)
+
+
 def uses_specstream_proposer(method: str | None, model: str | None) -> bool:
     return method == "custom_class" and str(model or "").startswith(PROPOSER_PREFIX)
 
@@ -60,6 +68,7 @@ def check_setup(
     platform,
     load_format: str = "auto",
     lora_enabled: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> None:
     """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
     engine config cannot serve: ``model`` is vLLM's model path, ``hf_config`` its parsed
@@ -67,6 +76,8 @@ def check_setup(
     speculating = uses_specstream_proposer(spec_method, spec_model)
     if speculating:
         check_platform(platform)
+        if lora_enabled and tensor_parallel_size > 1:
+            raise ConfigError(LORA_TP_ERROR.format(tp=tensor_parallel_size))
     model_dir = Path(model)
     local = model_dir.is_dir()
     config_file = f"{model_dir / 'config.json'}" if local else f"{model} config.json"

@@ -10,8 +10,6 @@ draft nothing are watched (:mod:`vllm_specstream.draft_watch`).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from vllm_specstream.config import ConfigError
@@ -31,7 +29,7 @@ from vllm_specstream.step_cost import table_for
 logger = init_logger(__name__)
 
 #: Proposer calls between the policy's debug summaries (``VLLM_LOGGING_LEVEL=DEBUG``).
-SUMMARY_EVERY = int(os.environ.get("SPECSTREAM_POLICY_LOG_EVERY", "256"))
+SUMMARY_EVERY = 256
 
 
 def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spec: int) -> int:

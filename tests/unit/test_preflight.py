@@ -229,3 +229,20 @@ def test_a_base_served_for_adapters_needs_lora_and_no_stream_tensors(tmp_path):
     check(ckpt, k=None)  # served without speculation: nothing to draft with, nothing to check
     with pytest.raises(ConfigError, match="adapter_streams_only.*--enable-lora"):
         check(ckpt, lora=False)
+
+
+def test_specstream_with_lora_under_tensor_parallelism_is_refused(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    args = dict(
+        model=str(ckpt),
+        hf_config=SimpleNamespace(**config),
+        spec_method="custom_class",
+        spec_model=PROPOSER,
+        num_speculative_tokens=2,
+        platform=CPU,
+    )
+    check_setup(**args, lora_enabled=True, tensor_parallel_size=1)
+    check_setup(**args, lora_enabled=False, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 1 only, got 3.*-tp 1"):
+        check_setup(**args, lora_enabled=True, tensor_parallel_size=3)

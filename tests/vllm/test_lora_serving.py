@@ -136,9 +136,12 @@ def test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment(tiny_adap
     assert all(t < 0 for row in served[2]["stash"]["table"] for t in row)
 
 
-def test_a_base_deployment_is_lossless_over_mixed_adapter_batches(tiny_adapters):
+@pytest.mark.parametrize("max_loras", [2, 1])
+def test_a_base_deployment_is_lossless_over_mixed_adapter_batches(tiny_adapters, max_loras):
+    # max_loras=1: fewer slots than adapters, so the adapters take turns in the one slot
+    # (vLLM's LRU) between steps; each request must still draft with its own streams.
     base, adapters = tiny_adapters
-    engine = _deployment(base, adapters)
+    engine = {**_deployment(base, adapters), "max_loras": max_loras, "max_cpu_loras": 2}
     first, second = (str(a) for a, _ in adapters)
     requests = [
         {"prompt": p, "max_tokens": 24, "lora": lora}

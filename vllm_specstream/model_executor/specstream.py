@@ -57,7 +57,7 @@ from vllm_specstream.model_executor.stream_forward import (
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
 from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import confident_drafts
-from vllm_specstream.preflight import check_platform
+from vllm_specstream.preflight import LORA_TP_ERROR, check_platform
 
 logger = init_logger(__name__)
 
@@ -87,6 +87,10 @@ class SpecStreamMixin:
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds the checkpoint's "
                 f"num_streams={self.spec_config.num_streams} (config.json: specstream.num_streams)"
             )
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if self.num_speculative_tokens and vllm_config.lora_config and tp_size > 1:
+            # Also checked in the front-end (preflight); here for engines built without it.
+            raise ConfigError(LORA_TP_ERROR.format(tp=tp_size))
         if not self.own_streams and self.num_speculative_tokens and not vllm_config.lora_config:
             raise ConfigError(
                 "config.json: specstream.adapter_streams_only is set but LoRA is off: its "

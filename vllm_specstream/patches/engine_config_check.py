@@ -38,6 +38,9 @@ def check_vllm_config(vllm_config) -> None:
         platform=current_platform,
         load_format=vllm_config.load_config.load_format,
         lora_enabled=getattr(vllm_config, "lora_config", None) is not None,
+        tensor_parallel_size=getattr(
+            getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
+        ),
     )
 
 
