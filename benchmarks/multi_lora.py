@@ -51,6 +51,7 @@ def child(args, spec: dict) -> dict:
     kw = cpu_engine_kwargs(dtype="float32", max_num_seqs=16, **spec["engine"])
     if spec["k"]:
         kw["speculative_config"] = speculative_config(spec["k"], adaptive=spec["adaptive"])
+        kw["per_request_spec_decode_metrics"] = "summary"  # acceptance per adapter
     llm = LLM(model=spec["ckpt"], disable_log_stats=False, **kw)
     loras = [LoRARequest(f"a{i}", i + 1, d) for i, d in enumerate(spec["lora"])]
     owner = [i % spec["num_adapters"] for i in range(len(prompts))]
@@ -107,6 +108,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--reuse", action="store_true", help="keep the runs already in OUT/multi_lora.json"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -148,9 +152,12 @@ def main() -> None:
                 {"name": f"merged {name} {label}", "ckpt": merged, "lora": [], "adapters": [i],
                  "k": k, "adaptive": adaptive, "batch_sizes": batch_sizes, "engine": {}}
             )  # fmt: skip
-    results = {}
+    saved = Path(args.out) / "multi_lora.json"
+    results = json.loads(saved.read_text()) if args.reuse and saved.is_file() else {}
     for spec in specs:
         spec["num_adapters"] = len(triples)
+        if spec["name"] in results:
+            continue
         print(f"running {spec['name']} ...", file=sys.stderr, flush=True)
         results[spec["name"]] = run(args, spec)
 
