@@ -37,13 +37,10 @@ logger = init_logger(__name__)
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
 #: off): the row that shows where speculation stops paying. ``plain-control`` is a second
 #: plain engine: its "speedup" is the run's noise floor (engines differ by a few percent from
-#: one start to the next on small VMs). ``plain-sync`` is plain decoding without vLLM's async
-#: scheduling, which vLLM turns off for every ``custom_class`` proposer: the floor a
-#: speculating engine starts from before any draft is accepted.
+#: one start to the next on small VMs).
 METHODS = (
     "plain",
     "plain-control",
-    "plain-sync",
     "ngram",
     "suffix",
     "medusa",
@@ -176,7 +173,7 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
     from vllm_specstream import speculative_config
 
     k = cfg.num_speculative_tokens
-    if method in ("plain", "plain-control", "plain-sync"):
+    if method in ("plain", "plain-control"):
         return None
     if method == "ngram":
         lo, hi = cfg.ngram_lookup
@@ -292,8 +289,6 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
     prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(cfg.checkpoint))
     kw = cpu_engine_kwargs(dtype=cfg.dtype, max_num_seqs=max(cfg.batch_sizes), seed=0)
     kw.update(cfg.engine_options)
-    if method == "plain-sync":
-        kw["async_scheduling"] = False
     spec = speculative_config_for(method, cfg)
     if spec is not None:
         kw["speculative_config"] = spec

@@ -278,7 +278,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             else tuple(
                 m
                 for m in METHODS
-                if m not in ("specstream-fixed", "plain-control", "plain-sync")
+                if m not in ("specstream-fixed", "plain-control")
                 and (args.medusa or m != "medusa")
                 and (has_suffix_decoding() or m != "suffix")
             ),
@@ -502,9 +502,8 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--methods",
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
-        "floor),plain-sync (plain without vLLM's async scheduling, which speculating engines "
-        "lose),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off) "
-        "(default: all but plain-control, plain-sync and specstream-fixed; medusa only with --medusa, "
+        "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off) "
+        "(default: all but plain-control and specstream-fixed; medusa only with --medusa, "
         "suffix only where arctic-inference is importable)",
     )
     p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)

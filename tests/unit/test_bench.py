@@ -58,7 +58,6 @@ def test_speculative_configs_and_extra_params(dirs):
     cfg = BenchConfig(checkpoint=str(ckpt), medusa=str(medusa), num_speculative_tokens=4)
     assert speculative_config_for("plain", cfg) is None
     assert speculative_config_for("plain-control", cfg) is None
-    assert speculative_config_for("plain-sync", cfg) is None
     assert extra_params("plain-control", cfg) == 0
     assert speculative_config_for("ngram", cfg)["prompt_lookup_max"] == 4
     assert speculative_config_for("medusa", cfg)["num_speculative_tokens"] == 3  # 3 heads
