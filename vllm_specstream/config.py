@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -190,3 +191,34 @@ class SpecStreamConfig:
         except ValueError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from e
         return cls.from_dict(data, where=str(path))
+
+
+def check_stream_tensors(
+    tensors: Mapping[str, Any], config: SpecStreamConfig, hidden_size: int, where: str
+) -> None:
+    """Names and shapes of the stream tensors (``name -> tensor``, unprefixed) must match the
+    config exactly: an adapter's, or a merged checkpoint's without ``specstream.``."""
+    expected = config.stream_tensor_shapes(hidden_size)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ConfigError(
+            f"{where}: missing stream tensor(s) {missing} (config: num_streams="
+            f"{config.num_streams}, init_rank={config.init_rank}, prune.enabled="
+            f"{config.prune.enabled})"
+        )
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ConfigError(
+            f"{where}: unexpected tensor(s) {unexpected}; expected {sorted(expected)}"
+        )
+    for name, shape in expected.items():
+        got = tuple(tensors[name].shape)
+        if got != shape:
+            hint = (
+                f" (the model's hidden size is {hidden_size})"
+                if got[-1] != shape[-1] or got[0] != shape[0]
+                else ""
+            )
+            raise ConfigError(
+                f"{where}: tensor {name} has shape {list(got)}, expected {list(shape)}{hint}"
+            )

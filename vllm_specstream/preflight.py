@@ -54,6 +54,14 @@ LORA_TP_ERROR = (
 )
 
 
+#: A base served for adapters has no streams of its own: without LoRA nothing drafts.
+ADAPTER_STREAMS_NEED_LORA = (
+    f"{{where}}: specstream.{ADAPTER_STREAMS_ONLY} is set (a base model whose requests draft "
+    "with their LoRA adapter's streams) but LoRA is off; serve it with --enable-lora "
+    "(LLM(..., enable_lora=True))"
+)
+
+
 def uses_specstream_proposer(method: str | None, model: str | None) -> bool:
     return method == "custom_class" and str(model or "").startswith(PROPOSER_PREFIX)
 
@@ -94,11 +102,7 @@ def check_setup(
     config = read_specstream_section(hf_config, where=config_file)
     if adapter_streams_only(hf_config, where=config_file):
         if speculating and not lora_enabled:
-            raise ConfigError(
-                f"{config_file}: specstream.{ADAPTER_STREAMS_ONLY} is set (a base model whose "
-                "requests draft with their LoRA adapter's streams) but LoRA is off; serve "
-                "it with --enable-lora (LLM(..., enable_lora=True))"
-            )
+            raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where=config_file))
         return  # no stream tensors of its own to check
     if speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
         g = config.num_streams

@@ -149,12 +149,14 @@ def servers(base_model_dir, tmp_path_factory):
         yield {"base": base, "spec": spec, "plain": plain, "logs": tmp, "model": demo}
 
 
-def complete(url: str, prompt: str, n: int) -> dict:
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}).encode()
+def complete(url: str, prompt: str, n: int, model: str = "m", timeout: float = 120) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0}
     req = urllib.request.Request(
-        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 

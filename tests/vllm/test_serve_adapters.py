@@ -4,11 +4,16 @@ so that no more than three servers share the machine's memory)."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
-from test_serve import DEMO_ADAPTER, DEMO_FLAGS, _get, metric, serve_many, sql_prompts
+from test_serve import (
+    DEMO_ADAPTER,
+    DEMO_FLAGS,
+    _get,
+    complete,
+    metric,
+    serve_many,
+    sql_prompts,
+)
 
 pytestmark = [pytest.mark.serve, pytest.mark.model]
 
@@ -40,17 +45,6 @@ def adapter_servers(base_model_dir, tmp_path_factory):
         yield {"spec": spec, "plain": plain, "logs": tmp}
 
 
-def complete_as(url: str, model: str, prompt: str, n: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0}
-    req = urllib.request.Request(
-        f"{url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
 def test_one_server_many_adapters_each_drafting_with_its_own_streams(
     adapter_servers, base_model_dir
 ):
@@ -64,7 +58,7 @@ def test_one_server_many_adapters_each_drafting_with_its_own_streams(
 
     def answers(url):
         with ThreadPoolExecutor(len(jobs)) as pool:
-            done = pool.map(lambda job: complete_as(url, job[0], job[1], 40), jobs)
+            done = pool.map(lambda job: complete(url, job[1], 40, model=job[0], timeout=300), jobs)
             return [r["choices"][0]["text"] for r in done]
 
     spec, plain = answers(adapter_servers["spec"]), answers(adapter_servers["plain"])

@@ -22,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from vllm_specstream.config import CONFIG_FILE, STREAM_FILE, ConfigError, SpecStreamConfig
+from vllm_specstream.config import (
+    CONFIG_FILE,
+    STREAM_FILE,
+    ConfigError,
+    SpecStreamConfig,
+    check_stream_tensors,
+)
 
 Tensor = torch.Tensor
 
@@ -85,18 +91,8 @@ def read_adapter_streams(
             f"these adapters with at most {config.num_streams} speculative tokens"
         )
     tensors = load_file(str(path / STREAM_FILE))
-    expected = config.stream_tensor_shapes(deployment.hidden_size)
-    for tensor_name, shape in expected.items():
-        if tensor_name not in tensors:
-            raise ConfigError(f"{where}: {STREAM_FILE} lacks tensor {tensor_name!r}")
-        if tuple(tensors[tensor_name].shape) != shape:
-            raise ConfigError(
-                f"{where}: {STREAM_FILE} tensor {tensor_name!r} has shape "
-                f"{list(tensors[tensor_name].shape)}, expected {list(shape)} (num_streams="
-                f"{config.num_streams}, hidden_size={deployment.hidden_size}): an adapter "
-                "of another base model?"
-            )
-    get = lambda key: tensors[key].to(dtype) if key in expected else None  # noqa: E731
+    check_stream_tensors(tensors, config, deployment.hidden_size, f"{where}: {STREAM_FILE}")
+    get = lambda key: tensors[key].to(dtype) if key in tensors else None  # noqa: E731
     return AdapterStreams(name, config, get("stream_embeddings"), get("init_a"), get("init_b"))
 
 

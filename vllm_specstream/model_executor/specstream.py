@@ -57,7 +57,7 @@ from vllm_specstream.model_executor.stream_forward import (
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
 from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import confident_drafts
-from vllm_specstream.preflight import LORA_TP_ERROR, check_platform
+from vllm_specstream.preflight import ADAPTER_STREAMS_NEED_LORA, LORA_TP_ERROR, check_platform
 
 logger = init_logger(__name__)
 
@@ -92,10 +92,7 @@ class SpecStreamMixin:
             # Also checked in the front-end (preflight); here for engines built without it.
             raise ConfigError(LORA_TP_ERROR.format(tp=tp_size))
         if not self.own_streams and self.num_speculative_tokens and not vllm_config.lora_config:
-            raise ConfigError(
-                "config.json: specstream.adapter_streams_only is set but LoRA is off: its "
-                "requests would have no streams; serve it with --enable-lora"
-            )
+            raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where="config.json"))
         n = hf_config.num_hidden_layers
         self.first_msa_layer = n - self.spec_config.num_msa_layers
         # vLLM's public EAGLE-3 hook: the decoder then also returns the residual stream

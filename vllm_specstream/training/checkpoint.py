@@ -28,6 +28,7 @@ from vllm_specstream.config import (
     STREAM_PREFIX,
     ConfigError,
     SpecStreamConfig,
+    check_stream_tensors,
 )
 from vllm_specstream.training.model import SpecStreamModel, check_supported
 
@@ -138,36 +139,6 @@ def save_adapter(model: SpecStreamModel, out_dir: str | Path) -> Path:
     tensors = {k: v.detach().float().contiguous() for k, v in model.stream_parameters().items()}
     save_file(tensors, str(out / STREAM_FILE), metadata={"format": "pt"})
     return out
-
-
-def check_stream_tensors(
-    tensors: dict[str, torch.Tensor], config: SpecStreamConfig, hidden_size: int, where: str
-) -> None:
-    """Names and shapes of the stream tensors must match the config exactly."""
-    expected = config.stream_tensor_shapes(hidden_size)
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        raise ConfigError(
-            f"{where}: missing stream tensor(s) {missing} (config: num_streams="
-            f"{config.num_streams}, init_rank={config.init_rank}, prune.enabled="
-            f"{config.prune.enabled})"
-        )
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise ConfigError(
-            f"{where}: unexpected tensor(s) {unexpected}; expected {sorted(expected)}"
-        )
-    for name, shape in expected.items():
-        got = tuple(tensors[name].shape)
-        if got != shape:
-            hint = (
-                f" (the model's hidden size is {hidden_size})"
-                if got[-1] != shape[-1] or got[0] != shape[0]
-                else ""
-            )
-            raise ConfigError(
-                f"{where}: tensor {name} has shape {list(got)}, expected {list(shape)}{hint}"
-            )
 
 
 def load_adapter(
