@@ -1,6 +1,11 @@
 from pathlib import Path
 
-from vllm_specstream.cpu_env import cpu_engine_kwargs, find_iomp, iomp_preload_value
+from vllm_specstream.cpu_env import (
+    cpu_engine_kwargs,
+    find_iomp,
+    iomp_preload_value,
+    single_thread_note,
+)
 
 IOMP = Path("/venv/lib/libiomp5.so")
 
@@ -24,3 +29,15 @@ def test_venv_ships_intel_openmp():
 def test_engine_kwargs_override():
     kw = cpu_engine_kwargs(max_model_len=512)
     assert kw["max_model_len"] == 512 and kw["gpu_memory_utilization"] < 0.5
+
+
+def test_single_thread_note_names_the_binding_and_the_fix():
+    auto = single_thread_note(threads=1, cpus=2, bind=None)
+    assert "1 OpenMP thread of 2 CPUs" in auto and "'auto' CPU binding" in auto
+    assert "VLLM_CPU_OMP_THREADS_BIND=nobind" in auto
+    assert "'0'" in single_thread_note(threads=1, cpus=2, bind="0")
+
+
+def test_single_thread_note_silent_when_threads_are_not_the_limit():
+    assert single_thread_note(threads=2, cpus=2, bind=None) is None
+    assert single_thread_note(threads=1, cpus=1, bind=None) is None  # nothing to gain

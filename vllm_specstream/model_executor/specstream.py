@@ -23,6 +23,8 @@ decoder layers differ from Llama's, a layer adapter in ``stream_forward``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -31,6 +33,7 @@ from vllm.platforms import current_platform
 
 from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError
+from vllm_specstream.cpu_env import single_thread_note
 from vllm_specstream.logger import init_logger
 from vllm_specstream.merged_checkpoint import (
     adapter_streams_only,
@@ -82,6 +85,14 @@ class SpecStreamMixin:
         if self.num_speculative_tokens > 0:
             # Also checked in the front-end (preflight); here for engines built without it.
             check_platform(current_platform)
+            if current_platform.is_cpu():
+                note = single_thread_note(
+                    torch.get_num_threads(),
+                    os.cpu_count() or 1,  # the worker's own affinity is its binding
+                    os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                )
+                if note:
+                    logger.warning("specstream: %s", note)
         if self.num_speculative_tokens > self.spec_config.num_streams:
             raise ConfigError(
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds the checkpoint's "
