@@ -121,12 +121,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         num_msa_layers=args.num_msa_layers,
         stream_position=args.stream_position,
         init_rank=args.init_rank,
+        stream_lora_rank=_stream_lora_rank(args),
         prune=PruneConfig(enabled=args.prune, rank=args.prune_rank, threshold=args.prune_threshold),
         loss=LossConfig(a0=args.a0, a_j=args.a_j),
     )
     lora = (
         None
-        if args.lora_rank == 0
+        if args.lora_rank == 0 or args.objective == "streams-only"
         else LoraSettings(
             rank=args.lora_rank,
             layers=args.lora_layers,
@@ -162,8 +163,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
         pack=args.pack,
         frozen_prefix=args.frozen_prefix,
     )
+    if args.objective == "streams-only":
+        train_args.distill = str(_self_distill(train_args, args))
     train(train_args)
     return 0
+
+
+def _stream_lora_rank(args: argparse.Namespace) -> int:
+    """``--stream-lora-rank``; by default --lora-rank for streams-only, else 0."""
+    if args.stream_lora_rank is not None:
+        return args.stream_lora_rank
+    return args.lora_rank if args.objective == "streams-only" else 0
+
+
+def _self_distill(train_args, args: argparse.Namespace) -> Path:
+    """The base model's replies to the run's prompts (train and held out), made with vLLM
+    and cached in the run's directory."""
+    from vllm_specstream.distill import DISTILL_FILE, DistillSettings, distill_replies
+    from vllm_specstream.training.train import load_examples
+
+    examples = [
+        *load_examples(train_args, "train", train_args.num_train, distilled=False),
+        *load_examples(train_args, "test", train_args.num_eval, distilled=False),
+    ]
+    settings = DistillSettings(max_tokens=args.distill_max_tokens, dtype=args.distill_dtype)
+    return distill_replies(train_args.base, examples, Path(args.out) / DISTILL_FILE, settings)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -370,7 +394,35 @@ def _add_training_parsers(sub) -> None:
         "else the synthetic task's test split)",
     )
     _add_split_args(p, choose_split=False, val_note="; 0 trains on all of it")
-    p.add_argument("--objective", default="specstream", choices=["specstream", "ntp", "medusa"])
+    p.add_argument(
+        "--objective",
+        default="specstream",
+        choices=["specstream", "ntp", "medusa", "streams-only"],
+        help="specstream: LoRA + streams (paper eq. 5); ntp: LoRA alone (the quality "
+        "baseline); medusa: Medusa heads on the frozen --base; streams-only: streams and a "
+        "stream-row LoRA on the frozen --base, trained on its own greedy replies to the "
+        "task's prompts (generated with vLLM, cached in OUT/self_distill.jsonl): served, its "
+        "outputs are the base model's",
+    )
+    p.add_argument(
+        "--stream-lora-rank",
+        type=int,
+        help="rank of the LoRA on the stream rows only (default: --lora-rank with "
+        "streams-only, else 0)",
+    )
+    p.add_argument(
+        "--distill-max-tokens",
+        type=int,
+        default=256,
+        help="streams-only: longest reply of the base model to learn from",
+    )
+    p.add_argument(
+        "--distill-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="streams-only: dtype of the vLLM engine that writes the replies (that of the "
+        "deployment)",
+    )
     p.add_argument("--medusa-heads", type=int, default=4, help="heads for --objective medusa")
     p.add_argument("--num-streams", type=int, default=4, help="gamma")
     p.add_argument("--num-msa-layers", type=int, default=6, help="N_s")

@@ -19,6 +19,34 @@ STREAM_FILE = "specstream.safetensors"
 STREAM_PREFIX = "specstream."
 
 
+#: The four projections of a decoder layer as vLLM merges them (q/k/v, o, gate/up, down):
+#: a stream LoRA has one ``A``/``B`` pair per MSA layer and projection.
+STREAM_LORA_STAGES = ("qkv", "o", "gate_up", "down")
+
+
+def stream_lora_name(layer: int, stage: str, which: str) -> str:
+    """Name of a stream-LoRA tensor: ``which`` "a" or "b" of ``stage`` in MSA layer ``layer``
+    (counted from the first MSA layer)."""
+    return f"stream_lora_{layer}_{stage}_{which}"
+
+
+def projection_dims(hf_config: Any) -> dict[str, tuple[int, int]]:
+    """(in, out) sizes of each of :data:`STREAM_LORA_STAGES` for a Llama-family model's
+    ``config.json`` (a dict or a config object); merged outputs in vLLM's order (q, k, v;
+    gate, up)."""
+    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k: getattr(hf_config, k, None)
+    h, heads = get("hidden_size"), get("num_attention_heads")
+    kv = get("num_key_value_heads") or heads
+    d = get("head_dim") or h // heads
+    inter = get("intermediate_size")
+    return {
+        "qkv": (h, (heads + 2 * kv) * d),
+        "o": (heads * d, h),
+        "gate_up": (h, 2 * inter),
+        "down": (inter, h),
+    }
+
+
 class ConfigError(ValueError):
     """A specstream config is invalid; the message names the file and field."""
 
@@ -70,6 +98,10 @@ class SpecStreamConfig:
     """Rotary position of stream j at anchor t: ``t + j`` ("shifted") or ``t`` ("anchor")."""
     init_rank: int = 0
     """eta: rank of the stream-initialisation adapter f(x) = x + B(A(x)); 0 = identity."""
+    stream_lora_rank: int = 0
+    """Rank of a LoRA applied to the stream rows only, in each MSA layer's four projections
+    (a streams-only adapter: the main stream stays the base model, so outputs are the base
+    model's by construction); 0 = the streams use the main stream's weights."""
     prune: PruneConfig = field(default_factory=PruneConfig)
     """Tree-pruning adapter."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -100,6 +132,8 @@ class SpecStreamConfig:
             )
         if not isinstance(self.init_rank, int) or self.init_rank < 0:
             raise bad("init_rank", f"must be an integer >= 0, got {self.init_rank!r}")
+        if not isinstance(self.stream_lora_rank, int) or self.stream_lora_rank < 0:
+            raise bad("stream_lora_rank", f"must be an integer >= 0, got {self.stream_lora_rank!r}")
         if self.prune.rank < 1:
             raise bad("prune.rank", f"must be >= 1, got {self.prune.rank!r}")
         if not 0.0 <= self.prune.threshold < 1.0:
@@ -124,9 +158,13 @@ class SpecStreamConfig:
                 f"vllm-specstream understands ({FORMAT_VERSION}); upgrade vllm-specstream",
             )
 
-    def stream_tensor_shapes(self, hidden_size: int) -> dict[str, tuple[int, ...]]:
+    def stream_tensor_shapes(
+        self, hidden_size: int, hf_config: Any = None
+    ) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every stream tensor (``P`` and the optional adapters) for a
-        model of ``hidden_size``: what a checkpoint must carry, nothing more."""
+        model of ``hidden_size`` (and ``hf_config``, its ``config.json`` as a dict or config
+        object: the stream LoRA's shapes follow its projections): what a checkpoint must
+        carry, nothing more."""
         h = hidden_size
         shapes: dict[str, tuple[int, ...]] = {"stream_embeddings": (self.num_streams, h)}
         if self.init_rank > 0:
@@ -135,6 +173,16 @@ class SpecStreamConfig:
         if self.prune.enabled:
             shapes["prune_a"] = (self.prune.rank, h)
             shapes["prune_b"] = (h, self.prune.rank)
+        if self.stream_lora_rank > 0:
+            if hf_config is None:
+                raise ConfigError("stream_lora_rank > 0: the shapes need the model's config")
+            projections = projection_dims(hf_config)
+            r = self.stream_lora_rank
+            for i in range(self.num_msa_layers):
+                for stage in STREAM_LORA_STAGES:
+                    d_in, d_out = projections[stage]
+                    shapes[stream_lora_name(i, stage, "a")] = (r, d_in)
+                    shapes[stream_lora_name(i, stage, "b")] = (d_out, r)
         return shapes
 
     def first_msa_layer(self, num_hidden_layers: int) -> int:
@@ -194,17 +242,21 @@ class SpecStreamConfig:
 
 
 def check_stream_tensors(
-    tensors: Mapping[str, Any], config: SpecStreamConfig, hidden_size: int, where: str
+    tensors: Mapping[str, Any],
+    config: SpecStreamConfig,
+    hidden_size: int,
+    where: str,
+    hf_config: Any = None,
 ) -> None:
     """Names and shapes of the stream tensors (``name -> tensor``, unprefixed) must match the
     config exactly: an adapter's, or a merged checkpoint's without ``specstream.``."""
-    expected = config.stream_tensor_shapes(hidden_size)
+    expected = config.stream_tensor_shapes(hidden_size, hf_config)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ConfigError(
             f"{where}: missing stream tensor(s) {missing} (config: num_streams="
             f"{config.num_streams}, init_rank={config.init_rank}, prune.enabled="
-            f"{config.prune.enabled})"
+            f"{config.prune.enabled}, stream_lora_rank={config.stream_lora_rank})"
         )
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
@@ -216,7 +268,8 @@ def check_stream_tensors(
         if got != shape:
             hint = (
                 f" (the model's hidden size is {hidden_size})"
-                if got[-1] != shape[-1] or got[0] != shape[0]
+                if (got[-1] != shape[-1] or got[0] != shape[0])
+                and not name.startswith("stream_lora_")
                 else ""
             )
             raise ConfigError(

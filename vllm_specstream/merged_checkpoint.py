@@ -90,11 +90,12 @@ def loaded_weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def check_stream_tensors(model_dir: Path, config: SpecStreamConfig, hidden_size: int) -> None:
-    """Every stream tensor is in a file vLLM will load, with the shape the config implies."""
+def check_stream_tensors(model_dir: Path, config: SpecStreamConfig, hf_config) -> None:
+    """Every stream tensor is in a file vLLM will load, with the shape the config implies
+    for the model of ``hf_config`` (``config.json``)."""
     expected = {
         STREAM_PREFIX + name: shape
-        for name, shape in config.stream_tensor_shapes(hidden_size).items()
+        for name, shape in config.stream_tensor_shapes(hf_config.hidden_size, hf_config).items()
     }
     stream_file = model_dir / STREAM_FILE
     files = loaded_weight_files(model_dir)
@@ -123,6 +124,6 @@ def check_stream_tensors(model_dir: Path, config: SpecStreamConfig, hidden_size:
             raise ConfigError(
                 f"{where}: tensor {name} has shape {got}, expected {list(shape)} "
                 f"(config.json: specstream.num_streams={config.num_streams}, "
-                f"hidden_size={hidden_size}); {EXPORT_HINT} from an adapter trained on "
+                f"hidden_size={hf_config.hidden_size}); {EXPORT_HINT} from an adapter trained on "
                 "this base model"
             )

@@ -54,6 +54,18 @@ LORA_TP_ERROR = (
 )
 
 
+#: A streams-only checkpoint's stream LoRA applies to its own streams; under multi-LoRA a
+#: request's adapter brings its own streams (and their LoRA), so the two do not combine.
+STREAM_LORA_WITH_LORA = (
+    "a streams-only checkpoint (config.json: specstream.stream_lora_rank > 0) cannot be "
+    "served with LoRA adapters (--enable-lora): serve it without --enable-lora"
+)
+#: The stream-row LoRA adds its delta to the full (unsharded) projection outputs.
+STREAM_LORA_TP_ERROR = (
+    "a streams-only checkpoint (config.json: specstream.stream_lora_rank > 0) runs with "
+    "tensor_parallel_size 1 only, got {tp}: serve it with -tp 1"
+)
+
 #: A base served for adapters has no streams of its own: without LoRA nothing drafts.
 ADAPTER_STREAMS_NEED_LORA = (
     f"{{where}}: specstream.{ADAPTER_STREAMS_ONLY} is set (a base model whose requests draft "
@@ -104,6 +116,13 @@ def check_setup(
         if speculating and not lora_enabled:
             raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where=config_file))
         return  # no stream tensors of its own to check
+    if speculating and config.stream_lora_rank:
+        if lora_enabled:
+            raise ConfigError(f"{config_file}: {STREAM_LORA_WITH_LORA}")
+        if tensor_parallel_size > 1:
+            raise ConfigError(
+                f"{config_file}: {STREAM_LORA_TP_ERROR.format(tp=tensor_parallel_size)}"
+            )
     if speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
         g = config.num_streams
         raise ConfigError(
@@ -112,7 +131,7 @@ def check_setup(
             f"drafts: --spec-tokens {g}, or speculative_config({g})"
         )
     if local and str(load_format) in SAFETENSORS_LOAD_FORMATS:
-        check_stream_tensors(model_dir, config, hf_config.hidden_size)
+        check_stream_tensors(model_dir, config, hf_config)
 
 
 def serves_specstream(architectures, spec_method: str | None, spec_model: str | None) -> bool:

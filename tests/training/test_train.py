@@ -184,3 +184,28 @@ def test_zero_initialised_medusa_head_copies_the_next_token_head():
         hidden = lm.model(ids).last_hidden_state[0, -1]
         want = int(lm(ids).logits[0, -1].argmax())
     assert medusa_drafts(heads, hidden) == [want, want]
+
+
+def test_streams_only_trains_on_the_models_replies(tiny_base, tmp_path):
+    """Objective streams-only with a self-distillation file: each prompt's completion is the
+    file's reply; no LoRA on the main stream; the stream LoRA trains and is saved."""
+    from vllm_specstream.training.train import load_examples
+
+    args = args_for(tiny_base, tmp_path / "so", steps=2)
+    args.objective = "streams-only"
+    args.spec = SpecStreamConfig(num_streams=2, num_msa_layers=2, stream_lora_rank=4)
+    examples = [*load_examples(args, "train", 16), *load_examples(args, "test", 4)]
+    distill = tmp_path / "self_distill.jsonl"
+    distill.write_text(
+        "".join(
+            json.dumps({"messages": e.messages, "completion": "SELECT 1"}) + "\n" for e in examples
+        )
+    )
+    args.distill = str(distill)
+    assert {e.completion for e in load_examples(args, "train", 16)} == {"SELECT 1"}
+    out = train(args, progress=False)
+    assert not (out / "adapter_config.json").exists()
+    tensors = load_file(str(out / "specstream.safetensors"))
+    assert tensors["stream_lora_1_qkv_b"].abs().sum() > 0  # trained away from zero init
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert "loss_stream1" in log[-1] and "loss_main" not in log[-1]

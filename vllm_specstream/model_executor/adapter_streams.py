@@ -84,6 +84,13 @@ def read_adapter_streams(
             "(config.json: specstream.num_msa_layers); serve adapters trained with the same "
             "num_msa_layers together"
         )
+    if config.stream_lora_rank > 0:
+        raise ConfigError(
+            f"{where}: a streams-only adapter ({CONFIG_FILE}: stream_lora_rank="
+            f"{config.stream_lora_rank}) keeps the base model's weights for every main token, "
+            "so it is served merged, not as a LoRA module: `specstream export DIR OUT --merge`, "
+            "then `vllm serve OUT --spec-model specstream`"
+        )
     if config.num_streams < deployment.num_speculative_tokens:
         raise ConfigError(
             f"{where}: {CONFIG_FILE} has num_streams={config.num_streams}, fewer than the "

@@ -102,7 +102,10 @@ class FusedStreams:
             n = x.shape[0]
             out = original(torch.cat((x, p.pending.to(x.dtype))), *args, **kwargs)
             y, rest = split_output(out)
-            self._advance(p, y[n:])
+            stream = y[n:]
+            if self.runner.stream_lora is not None:  # a streams-only checkpoint's delta
+                stream = stream + self.runner.stream_lora.delta(index, stage, p.pending)
+            self._advance(p, stream)
             return join_output(y[:n], rest)
 
         module.forward = forward

@@ -60,7 +60,13 @@ from vllm_specstream.model_executor.stream_forward import (
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
 from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import confident_drafts
-from vllm_specstream.preflight import ADAPTER_STREAMS_NEED_LORA, LORA_TP_ERROR, check_platform
+from vllm_specstream.preflight import (
+    ADAPTER_STREAMS_NEED_LORA,
+    LORA_TP_ERROR,
+    STREAM_LORA_TP_ERROR,
+    STREAM_LORA_WITH_LORA,
+    check_platform,
+)
 
 logger = init_logger(__name__)
 
@@ -78,7 +84,9 @@ class SpecStreamMixin:
         #: False for a base model served for specstream LoRA adapters: its requests draft
         #: with their adapter's streams only (:mod:`.adapter_streams`).
         self.own_streams = not adapter_streams_only(hf_config)
-        self.specstream = StreamParams(self.spec_config, hf_config.hidden_size, self.own_streams)
+        self.specstream = StreamParams(
+            self.spec_config, hf_config.hidden_size, self.own_streams, hf_config
+        )
         #: The engine's runtime settings, read once (the proposer reads them from here).
         self.options = read_options(vllm_config)
         self.num_speculative_tokens = self.options.num_speculative_tokens
@@ -102,6 +110,12 @@ class SpecStreamMixin:
         if self.num_speculative_tokens and vllm_config.lora_config and tp_size > 1:
             # Also checked in the front-end (preflight); here for engines built without it.
             raise ConfigError(LORA_TP_ERROR.format(tp=tp_size))
+        if self.spec_config.stream_lora_rank and self.num_speculative_tokens:
+            # Also checked in the front-end (preflight).
+            if vllm_config.lora_config:
+                raise ConfigError(STREAM_LORA_WITH_LORA)
+            if tp_size > 1:
+                raise ConfigError(STREAM_LORA_TP_ERROR.format(tp=tp_size))
         if not self.own_streams and self.num_speculative_tokens and not vllm_config.lora_config:
             raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where="config.json"))
         n = hf_config.num_hidden_layers

@@ -27,7 +27,9 @@ from vllm_specstream.model_executor.adapter_streams import AdapterStreams
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.lora_streams import StreamLoRA, first_lora_module
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
+from vllm_specstream.model_executor.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.stream_weights import StreamWeights
+from vllm_specstream.preflight import STREAM_LORA_WITH_LORA
 from vllm_specstream.stream_layer import StreamLayer, run_layer, stream_layer
 from vllm_specstream.stream_math import (
     anchor_main_mask,
@@ -77,13 +79,19 @@ def accepted_anchors(batch: ForwardBatch, rows: list[int], indices: list[int]) -
 class StreamParams(nn.Module):
     """The specstream tensors of a merged checkpoint (``specstream.*``)."""
 
-    def __init__(self, config: SpecStreamConfig, hidden_size: int, own: bool = True):
+    def __init__(
+        self,
+        config: SpecStreamConfig,
+        hidden_size: int,
+        own: bool = True,
+        hf_config=None,
+    ):
         super().__init__()
         if not own:  # a base served for adapters: nothing to load (vLLM checks every parameter)
             self.stream_embeddings = self.init_a = self.init_b = None
             return
         # One definition of names and shapes, shared with the front-end's checkpoint check.
-        for name, shape in config.stream_tensor_shapes(hidden_size).items():
+        for name, shape in config.stream_tensor_shapes(hidden_size, hf_config).items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape), requires_grad=False))
         if config.init_rank == 0:
             self.init_a = self.init_b = None
@@ -161,6 +169,12 @@ class StreamRunner:
             self.weights = self.lora.weights(self.layers, weights)
         else:
             self.weights = weights or StreamWeights.of_modules(self.layers)
+        #: A streams-only checkpoint's delta on the stream rows (None: none).
+        self.stream_lora = StreamLoRAWeights.of(params, config)
+        if self.stream_lora is not None:
+            if self.lora is not None:
+                raise ConfigError(STREAM_LORA_WITH_LORA)
+            self.weights = self.stream_lora.wrap(self.weights)
         self._layouts: dict[int, PagedKVLayout] = {}
 
     def _layout(self, attn, kv_cache: Tensor) -> PagedKVLayout:

@@ -153,7 +153,11 @@ def load_adapter(
         raise ConfigError(f"{stream_file}: missing; the adapter has no stream tensors")
     lm = load_base_lm(base, dtype)
     check_stream_tensors(
-        load_file(str(stream_file)), config, lm.config.hidden_size, str(stream_file)
+        load_file(str(stream_file)),
+        config,
+        lm.config.hidden_size,
+        str(stream_file),
+        lm.config,
     )
     if (adapter_dir / "adapter_config.json").is_file():
         from peft import PeftModel
@@ -243,7 +247,7 @@ def load_merged(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> SpecStr
         raise ConfigError(f"{stream_file}: missing; the merged checkpoint has no stream tensors")
     raw = load_file(str(stream_file))
     tensors = {k[len(STREAM_PREFIX) :]: v for k, v in raw.items() if k.startswith(STREAM_PREFIX)}
-    check_stream_tensors(tensors, config, hf_config["hidden_size"], str(stream_file))
+    check_stream_tensors(tensors, config, hf_config["hidden_size"], str(stream_file), hf_config)
     lm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
     model = SpecStreamModel(lm, config)
     load_stream_tensors(model, tensors)

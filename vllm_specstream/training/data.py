@@ -157,3 +157,39 @@ def encode_example(tokenizer: Any, example: ChatExample, max_length: int) -> dic
         "input_ids": prompt_ids + completion_ids,
         "labels_mask": [False] * len(prompt_ids) + [True] * len(completion_ids),
     }
+
+
+# --------------------------------------------------------------------------- self-distillation
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """The key of a prompt in a self-distillation file: its messages as canonical JSON."""
+    return json.dumps(messages, sort_keys=True, ensure_ascii=False)
+
+
+def read_replies(path: str | Path) -> dict[str, str]:
+    """``prompt_key -> reply`` of a self-distillation file (JSONL of ``messages`` and
+    ``completion``: the base model's own greedy reply to each prompt)."""
+    replies = {}
+    for where, record in jsonl_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+            raise ValueError(f"{where}: expected an object with 'messages' (the prompt)")
+        replies[prompt_key(record["messages"])] = _string_field(record, "completion", where)
+    return replies
+
+
+def with_replies(
+    examples: list[ChatExample], replies: dict[str, str], where: str
+) -> list[ChatExample]:
+    """``examples`` with each completion replaced by the model's own reply to the prompt
+    (examples that share a prompt, e.g. several references, collapse into one)."""
+    out, seen = [], set()
+    for e in examples:
+        key = prompt_key(e.messages)
+        if key in seen:
+            continue
+        if key not in replies:
+            raise ValueError(f"{where}: no reply for a prompt of the task data; distil again")
+        seen.add(key)
+        out.append(ChatExample(messages=e.messages, completion=replies[key]))
+    return out

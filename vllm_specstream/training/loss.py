@@ -53,17 +53,24 @@ def specstream_loss(
 
     ``batch``: ``input_ids``, ``attention_mask``, ``labels_mask`` (True on completion tokens),
     all ``[B, T]``, right-padded; a packed batch (:mod:`fast_batches`) adds ``positions``,
-    ``new_mask`` and possibly a cached ``hidden`` with its ``start_layer``. ``objective``: "specstream" (eq. 5) or "ntp" (main only).
+    ``new_mask`` and possibly a cached ``hidden`` with its ``start_layer``. ``objective``: "specstream" (eq. 5), "ntp" (main only) or
+    "streams-only" (the streams' terms of eq. 5: the main stream is the frozen base).
     """
     cfg = model.config
     ids, attn, labels = batch["input_ids"], batch["attention_mask"], batch["labels_mask"]
-    anchors = select_anchors(labels, cfg.num_streams) if objective == "specstream" else None
+    streams = objective in ("specstream", "streams-only")
+    anchors = select_anchors(labels, cfg.num_streams) if streams else None
     packed = {k: batch[k] for k in ("positions", "new_mask", "hidden", "start_layer") if k in batch}
     out = model(ids, anchors=anchors, attention_mask=attn, **packed)
     hidden, targets = main_rows(out.main_hidden, ids, labels)
-    main_loss, main_top1 = _ce_and_top1(model.lm_head, hidden, targets)
-    loss = cfg.loss.a0 * main_loss
-    metrics = {"loss_main": float(main_loss.detach()), "top1_main": float(main_top1)}
+    metrics: dict[str, float] = {}
+    if objective == "streams-only":
+        # The main stream is the frozen base: its loss is a constant, not worth a LM head.
+        loss = out.stream_hidden.sum() * 0.0
+    else:
+        main_loss, main_top1 = _ce_and_top1(model.lm_head, hidden, targets)
+        loss = cfg.loss.a0 * main_loss
+        metrics = {"loss_main": float(main_loss.detach()), "top1_main": float(main_top1)}
     if anchors is not None:
         s_targets, s_valid = stream_targets(ids, labels, anchors, cfg.num_streams)
         for j, weight in enumerate(cfg.loss.stream_weights(cfg.num_streams)):

@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.config import (
+    STREAM_LORA_STAGES,
+    ConfigError,
+    SpecStreamConfig,
+    stream_lora_name,
+)
 from vllm_specstream.stream_layer import run_layer, stream_layer
 from vllm_specstream.stream_math import (
     apply_rope,
@@ -117,6 +122,37 @@ class HFProjections:
 
 
 @dataclass
+class StreamLoRAProjections:
+    """:class:`HFProjections` plus a LoRA on the stream rows only (a streams-only adapter):
+    each projection adds ``B(A(x))``, split like vLLM's merged outputs (q, k, v; gate, up),
+    so that the serving side adds the same delta to its merged projections."""
+
+    base: HFProjections
+    lora: dict[str, tuple[Tensor, Tensor]]
+    """Stage (:data:`~vllm_specstream.config.STREAM_LORA_STAGES`) -> ``(A, B)``."""
+
+    def _delta(self, stage: str, x: Tensor) -> Tensor:
+        a, b = self.lora[stage]
+        return F.linear(F.linear(x, a), b)
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.base.qkv(x)
+        dq, dk, dv = self._delta("qkv", x).split([q.shape[-1], k.shape[-1], v.shape[-1]], -1)
+        return q + dq, k + dk, v + dv
+
+    def o(self, x: Tensor) -> Tensor:
+        return self.base.o(x) + self._delta("o", x)
+
+    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = self.base.gate_up(x)
+        dg, du = self._delta("gate_up", x).split([gate.shape[-1], up.shape[-1]], -1)
+        return gate + dg, up + du
+
+    def down(self, x: Tensor) -> Tensor:
+        return self.base.down(x) + self._delta("down", x)
+
+
+@dataclass
 class HFStreamOps:
     """:class:`StreamLayerOps` of an HF decoder layer for streams ``[B, A, G, h]`` over the
     layer's dense main keys/values."""
@@ -175,7 +211,7 @@ class SpecStreamModel(nn.Module):
         self.prune_layer = config.prune_layer(self.num_layers)
         dtype = causal_lm.get_input_embeddings().weight.dtype
         # The names and shapes are the config's, as in checkpoints and in vLLM.
-        shapes = config.stream_tensor_shapes(hf_config.hidden_size)
+        shapes = config.stream_tensor_shapes(hf_config.hidden_size, hf_config)
         for name, shape in shapes.items():
             init = initial_stream_tensor(name, shape, dtype, stream_init_std)
             self.register_parameter(name, nn.Parameter(init))
@@ -196,6 +232,21 @@ class SpecStreamModel(nn.Module):
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         return self.causal_lm.lm_head(hidden)
+
+    def stream_lora(self, msa_index: int) -> dict[str, tuple[Tensor, Tensor]]:
+        """The stream LoRA of MSA layer ``msa_index`` (0 = L0): stage -> ``(A, B)``."""
+        return {
+            stage: (
+                getattr(self, stream_lora_name(msa_index, stage, "a")),
+                getattr(self, stream_lora_name(msa_index, stage, "b")),
+            )
+            for stage in STREAM_LORA_STAGES
+        }
+
+    def main_trains(self) -> bool:
+        """Whether a parameter of the main stream trains (LoRA): else (streams-only) the main
+        stream runs without autograd, and only the streams' graph is kept."""
+        return any(p.requires_grad for p in self.lm.parameters())
 
     def stream_parameters(self) -> dict[str, Tensor]:
         """The specstream tensors saved in ``specstream.safetensors``."""
@@ -232,6 +283,7 @@ class SpecStreamModel(nn.Module):
     def _stream_layer(
         self,
         layer,
+        msa_index: int,
         s: Tensor,
         cos: Tensor,
         sin: Tensor,
@@ -243,7 +295,10 @@ class SpecStreamModel(nn.Module):
         cfg = self.causal_lm.config
         heads = cfg.num_attention_heads, cfg.num_key_value_heads
         ops = HFStreamOps(layer, *heads, cos, sin, k_main, v_main, main_mask)
-        return run_layer(stream_layer(s, ops), HFProjections(layer))
+        projections = HFProjections(layer)
+        if self.config.stream_lora_rank > 0:
+            projections = StreamLoRAProjections(projections, self.stream_lora(msa_index))
+        return run_layer(stream_layer(s, ops), projections)
 
     def _enter_streams(self, h: Tensor, anchors: Tensor, positions: Tensor, attn_mask: Tensor):
         """Stream states at the anchors entering layer L0, their rotary tables and main mask."""
@@ -313,6 +368,7 @@ class SpecStreamModel(nn.Module):
                 )
             h = hidden
         cos, sin = decoder.rotary_emb(h, positions)
+        main_grad = torch.is_grad_enabled() and self.main_trains()
         s = s_cos = s_sin = main_mask = prune_input = msa_input = None
         new_cache: KVCache = []
         for i, layer in enumerate(decoder.layers):
@@ -324,13 +380,15 @@ class SpecStreamModel(nn.Module):
                 msa_input = h
             if i == self.first_msa_layer and anchors is not None:
                 s, s_cos, s_sin, main_mask = self._enter_streams(h, anchors, positions, attn_mask)
-            h, k, v = self._main_layer(
-                layer, h, cos, sin, attn_mask, None if cache is None else cache[i]
-            )
+            with torch.set_grad_enabled(main_grad):
+                h, k, v = self._main_layer(
+                    layer, h, cos, sin, attn_mask, None if cache is None else cache[i]
+                )
             if use_cache:
                 new_cache.append((k, v))
             if s is not None:
-                s = self._stream_layer(layer, s, s_cos, s_sin, k, v, main_mask)
+                msa_index = i - self.first_msa_layer
+                s = self._stream_layer(layer, msa_index, s, s_cos, s_sin, k, v, main_mask)
         norm = decoder.norm
         return StreamOutput(
             main_hidden=norm(h),

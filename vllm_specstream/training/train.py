@@ -31,7 +31,9 @@ LOG_FILE = "train_log.jsonl"
 #: The frozen layers' output per training example, kept until the run finishes so that a
 #: resumed run does not compute it again.
 FROZEN_PREFIX_FILE = "frozen_prefix.pt"
-OBJECTIVES = ("specstream", "ntp", "medusa")
+OBJECTIVES = ("specstream", "ntp", "medusa", "streams-only")
+#: Objectives that train streams (stream embeddings, their adapters).
+STREAM_OBJECTIVES = ("specstream", "streams-only")
 
 
 @dataclass
@@ -55,8 +57,14 @@ class TrainArgs:
     split_seed: int = 0
     """Seed of that split (``specstream eval/bench --split val`` with the same values)."""
     objective: str = "specstream"
-    """"specstream" (paper eq. 5), "ntp" (plain LoRA, the quality baseline) or "medusa"
-    (Medusa heads on the frozen ``base``, saved for vLLM's ``medusa`` method)."""
+    """"specstream" (paper eq. 5), "ntp" (plain LoRA, the quality baseline), "medusa"
+    (Medusa heads on the frozen ``base``, saved for vLLM's ``medusa`` method) or
+    "streams-only" (streams on the frozen ``base``: no LoRA on the main stream, a stream LoRA
+    (``spec.stream_lora_rank``) on the stream rows; outputs stay the base model's)."""
+    distill: str | None = None
+    """Self-distillation file (JSONL of ``messages`` and ``completion``): every example's
+    completion is replaced by the base model's own greedy reply to its prompt, so that
+    the streams learn what the model they draft for will say (objective streams-only)."""
     medusa_heads: int = 4
     """Number of Medusa heads (objective "medusa")."""
     spec: SpecStreamConfig = field(default_factory=SpecStreamConfig)
@@ -110,7 +118,18 @@ def resolve_dtype(name: str) -> torch.dtype:
     raise ValueError(f"--dtype must be bf16, fp32 or auto, got {name!r}")
 
 
-def load_examples(args: TrainArgs, split: str, n: int | None):
+def load_examples(args: TrainArgs, split: str, n: int | None, distilled: bool = True):
+    """The examples of ``split`` (``train`` or ``test``), with the base model's own replies
+    when ``args.distill`` is set (and ``distilled``)."""
+    from vllm_specstream.training.data import read_replies, with_replies
+
+    examples = _task_examples(args, split, n)
+    if args.distill and distilled:
+        return with_replies(examples, read_replies(args.distill), args.distill)
+    return examples
+
+
+def _task_examples(args: TrainArgs, split: str, n: int | None):
     from vllm_specstream.training.tasks import task_examples
 
     return task_examples(
@@ -255,8 +274,9 @@ class SpecStreamJob:
 
     def __init__(self, args: TrainArgs):
         self.args = args
+        lora = None if args.objective == "streams-only" else args.lora
         self.model: SpecStreamModel = build_model(
-            args.base, args.spec, args.lora, torch.float32, args.stream_init_std
+            args.base, args.spec, lora, torch.float32, args.stream_init_std
         )
 
     def loss(self, batch):
@@ -268,7 +288,7 @@ class SpecStreamJob:
             p for n, p in model.named_parameters() if p.requires_grad and n != "stream_embeddings"
         ]
         groups = [{"params": other, "lr": args.lr, "weight_decay": 0.0}]
-        if args.objective == "specstream":
+        if args.objective in STREAM_OBJECTIVES:
             groups.append(
                 {"params": [model.stream_embeddings], "lr": args.stream_lr, "weight_decay": 0.0}
             )
@@ -279,7 +299,7 @@ class SpecStreamJob:
     @torch.no_grad()
     def calibrate(self, batch: dict) -> None:
         """Scale the stream embeddings to ``stream_init_scale`` x the residual norm at L0."""
-        if self.args.objective != "specstream" or self.args.stream_init_scale <= 0:
+        if self.args.objective not in STREAM_OBJECTIVES or self.args.stream_init_scale <= 0:
             return
         model = self.model
         hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"]).msa_input
