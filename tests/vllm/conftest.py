@@ -118,3 +118,25 @@ def tiny_adapters(tiny_merged, tmp_path_factory) -> tuple[Path, list[tuple[Path,
     base = tiny_merged.with_name(tiny_merged.name + "-base")
     root = tmp_path_factory.mktemp("adapters")
     return base, [make_tiny_adapter(base, root / f"task{i}", seed=10 + i) for i in range(2)]
+
+
+@pytest.fixture(scope="session")
+def tiny_streams_only(tiny_merged, tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny base and a merged streams-only checkpoint of it (random stream embeddings
+    and stream LoRA, base weights untouched): ``(base, merged)``."""
+    import torch
+
+    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.training.checkpoint import build_model, export_merged, save_adapter
+
+    base = tiny_merged.with_name(tiny_merged.name + "-base")
+    out = tmp_path_factory.mktemp("streams-only") / "merged"
+    torch.manual_seed(3)
+    config = SpecStreamConfig(num_streams=3, num_msa_layers=2, stream_lora_rank=4)
+    model = build_model(base, config, None, stream_init_std=1.0)
+    with torch.no_grad():  # B starts at zero: the stream LoRA would change nothing
+        for name, p in model.stream_parameters().items():
+            if name.startswith("stream_lora_"):
+                p.normal_(0, 0.2)
+    adapter = save_adapter(model, out.with_name("adapter"))
+    return base, export_merged(adapter, out, dtype=torch.float32)
