@@ -5,8 +5,7 @@
 # held-out validation split (cut by group, seed 0) and writes the adapter's model card.
 #   bash scripts/real_task.sh sql|e2e|dialogsum DATA_FILE [RUNS_DIR] [STEPS]
 # Resumable: run it again and every run continues from its last checkpoint; finished
-# exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs;
-# OBJECTIVES=streams-only trains streams on the frozen base (its own replies, made with vLLM).
+# exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs.
 # SPECSTREAM_TRAIN_CORE=N pins the training to one core (1 thread), leaving the other free.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,9 +52,18 @@ if has medusa; then
     "${RUN[@]}" $BIN/specstream train --out "$R-medusa" --objective medusa \
         --base "$R-specstream-merged" "${COMMON[@]}"
 fi
+if [ -s "$R-specstream-eval.json" ]; then
+    baseline=()
+    [ -s "$R-ntp-eval.json" ] && baseline=(--baseline "$R-ntp-eval.json")
+    $BIN/python -m vllm_specstream.training.model_card "$R-specstream" \
+        --eval "$R-specstream-eval.json" "${baseline[@]}" \
+        --command "bash scripts/real_task.sh $TASK $DATA RUNS $STEPS"
+fi
+
+# Streams on the frozen base (OBJECTIVES=streams-only): trained on the base model's own
+# replies, which vLLM writes first; pinned to one core, its own binding must not reserve a
+# core for its scheduler.
 if has streams-only; then
-    # vLLM writes the base model's replies first: pinned to one core, its own binding must
-    # not reserve a core for its scheduler.
     [ -n "${SPECSTREAM_TRAIN_CORE:-}" ] && export VLLM_CPU_OMP_THREADS_BIND=nobind
     "${RUN[@]}" $BIN/specstream train --out "$R-streams-only" --objective streams-only \
         "${COMMON[@]}" --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2
@@ -63,11 +71,4 @@ if has streams-only; then
         $BIN/specstream export "$R-streams-only" "$R-streams-only-merged" --merge
     [ -s "$R-streams-only-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-streams-only-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-streams-only-eval.json"
-fi
-if [ -s "$R-specstream-eval.json" ]; then
-    baseline=()
-    [ -s "$R-ntp-eval.json" ] && baseline=(--baseline "$R-ntp-eval.json")
-    $BIN/python -m vllm_specstream.training.model_card "$R-specstream" \
-        --eval "$R-specstream-eval.json" "${baseline[@]}" \
-        --command "bash scripts/real_task.sh $TASK $DATA RUNS $STEPS"
 fi
