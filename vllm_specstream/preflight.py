@@ -46,14 +46,6 @@ def check_platform(platform) -> None:
         raise ConfigError(platform_error(name))
 
 
-#: Stream rows through row-parallel LoRA layers are not reduced across ranks yet.
-LORA_TP_ERROR = (
-    "specstream with LoRA adapters (--enable-lora) runs with tensor_parallel_size 1 only, "
-    "got {tp}: serve the adapters with -tp 1 (several replicas for more throughput), or "
-    "serve merged checkpoints (specstream export --merge) with tensor parallelism"
-)
-
-
 #: A streams-only checkpoint's stream LoRA applies to its own streams; under multi-LoRA a
 #: request's adapter brings its own streams (and their LoRA), so the two do not combine.
 STREAM_LORA_WITH_LORA = (
@@ -96,8 +88,6 @@ def check_setup(
     speculating = uses_specstream_proposer(spec_method, spec_model)
     if speculating:
         check_platform(platform)
-        if lora_enabled and tensor_parallel_size > 1:
-            raise ConfigError(LORA_TP_ERROR.format(tp=tensor_parallel_size))
     model_dir = Path(model)
     local = model_dir.is_dir()
     config_file = f"{model_dir / 'config.json'}" if local else f"{model} config.json"

@@ -231,7 +231,7 @@ def test_a_base_served_for_adapters_needs_lora_and_no_stream_tensors(tmp_path):
         check(ckpt, lora=False)
 
 
-def test_specstream_with_lora_under_tensor_parallelism_is_refused(tmp_path):
+def test_lora_under_tensor_parallelism_passes_and_streams_only_limits(tmp_path):
     ckpt = make_checkpoint(tmp_path)
     config = json.loads((ckpt / "config.json").read_text())
     args = dict(
@@ -244,5 +244,11 @@ def test_specstream_with_lora_under_tensor_parallelism_is_refused(tmp_path):
     )
     check_setup(**args, lora_enabled=True, tensor_parallel_size=1)
     check_setup(**args, lora_enabled=False, tensor_parallel_size=3)
+    check_setup(**args, lora_enabled=True, tensor_parallel_size=3)
+    # A streams-only checkpoint: its stream LoRA works on one rank, without adapters.
+    config["specstream"]["stream_lora_rank"] = 2
+    args["hf_config"] = SimpleNamespace(**config)
+    with pytest.raises(ConfigError, match="stream_lora_rank > 0.*without --enable-lora"):
+        check_setup(**args, lora_enabled=True, tensor_parallel_size=1)
     with pytest.raises(ConfigError, match="tensor_parallel_size 1 only, got 3.*-tp 1"):
-        check_setup(**args, lora_enabled=True, tensor_parallel_size=3)
+        check_setup(**args, lora_enabled=False, tensor_parallel_size=3)

@@ -215,7 +215,7 @@ def lora_stash(ckpt: str, k: int, engine: dict, requests: list[dict]) -> list[di
 
     from vllm_specstream.model_executor.specstream import stash_snapshot
 
-    llm = _llm(ckpt, k, **engine)
+    llm = _llm(ckpt, k, **engine)  # ``engine`` may name the stream ``placement``
     loras = _lora_requests(requests).get("lora_request", [None] * len(requests))
     out = []
     for request, lora in zip(requests, loras):

@@ -152,3 +152,35 @@ def test_a_base_deployment_is_lossless_over_mixed_adapter_batches(tiny_adapters,
     assert spec["tokens"] == plain["tokens"]
     steps = [m["num_spec_steps"] if m else 0 for m in spec["per_request"]]
     assert steps[0] > 0 and steps[2] > 0 and steps[3] > 0 and steps[1] == 0, steps
+
+
+@pytest.mark.parametrize("placement", ["window", "accepted"])
+def test_adapter_streams_under_tensor_parallelism_equal_one_rank(
+    tiny_merged_tp3, tmp_path, placement
+):
+    # TP 3: o_proj and down_proj are row-parallel, their LoRA deltas partial sums added before
+    # the all-reduce (lora_streams.py); stream rows must follow, or their drafts (not the
+    # outputs: verification keeps those right) would differ from one rank's.
+    from conftest import make_tiny_adapter
+
+    base = tiny_merged_tp3.with_name(tiny_merged_tp3.name + "-base")
+    adapters = [make_tiny_adapter(base, tmp_path / "tp3-task", seed=20)]
+    engine = {**_deployment(base, adapters), "placement": placement}
+    prompt = {"max_tokens": 9, "lora": str(adapters[0][0])}
+    requests = [{**prompt, "prompt": p} for p in SPEC_PROMPTS[:2]]
+    requests.append({"prompt": SPEC_PROMPTS[2], "max_tokens": 9})  # the base model's
+    one = run_child(
+        "lora_stash", ckpt=str(base), k=3, engine=engine, requests=requests, env=INSPECT
+    )
+    tp3 = run_child(
+        "lora_stash",
+        ckpt=str(base),
+        k=3,
+        engine={**engine, "tensor_parallel_size": 3, "gpu_memory_utilization": 0.2},
+        requests=requests,
+        env={**INSPECT, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},  # 3 ranks on 2 cores
+    )
+    for want, got in zip(one[0], tp3[0]):
+        assert got["tokens"] == want["tokens"]
+        assert got["stash"]["table"] == want["stash"]["table"]
+    assert any(t >= 0 for row in tp3[0][0]["stash"]["table"] for t in row)

@@ -14,6 +14,12 @@ Facts relied on (vLLM 0.32; ``tests/vllm/test_lora_serving.py`` fails when they 
 ``[slots, 1, out_j, rank]`` pair per output slice, ``B`` already scaled by alpha / r),
 ``output_slices``, ``punica_wrapper.token_lora_indices`` (slot per main token, -1 none) and
 ``_apply_lora_to_output`` on each wrapper; ``LogitsProcessorWithLoRA.base_layer``.
+
+Under tensor parallelism a row-parallel wrapper (``o_proj``, ``down_proj``) adds each
+rank's partial LoRA delta *before* the all-reduce (its ``lora_a`` is sliced to the rank's
+input shard), so here too: the base layer's local product (``_get_quant_method().apply``,
+bias on rank 0 only, as ``RowParallelLinearWithLoRA.forward``), plus the rows' partial
+deltas, then one all-reduce for the main rows (exactly vLLM's) and one for the stream rows.
 """
 
 from __future__ import annotations
@@ -77,10 +83,59 @@ def join_output(y: Tensor, rest):
     return (y, *rest) if rest is not None else y
 
 
+def is_row_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` is a LoRA wrapper of a row-parallel linear sharded over ranks: its
+    output is a sum over ranks, its LoRA delta one rank's part of it."""
+    base = module.base_layer
+    return getattr(module, "tp_size", 1) > 1 and hasattr(base, "reduce_results")
+
+
+def _local_input(module: nn.Module, x: Tensor) -> Tensor:
+    """This rank's shard of a row-parallel layer's input."""
+    if module.base_layer.input_is_parallel:
+        return x
+    width = x.shape[-1] // module.tp_size
+    return x[..., module.tp_rank * width : (module.tp_rank + 1) * width].contiguous()
+
+
+def _local_product(module: nn.Module, x: Tensor) -> Tensor:
+    """A row-parallel base layer's product on this rank, before the all-reduce."""
+    base = module.base_layer
+    bias = None if (module.tp_rank > 0 or base.skip_bias_add) else base.bias
+    return module._get_quant_method().apply(base, x, bias)
+
+
+def _reduce(module: nn.Module, y: Tensor) -> Tensor:
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(y) if module.base_layer.reduce_results else y
+
+
+def _row_parallel_output(module: nn.Module, y: Tensor):
+    """``y`` in the form a row-parallel wrapper returns (with its bias if it returns one)."""
+    base = module.base_layer
+    if not base.return_bias:
+        return y
+    return y, (base.bias if base.skip_bias_add else None)
+
+
+def fused_row_parallel_lora_linear(module: nn.Module, x: Tensor, s: Tensor, slots: Tensor):
+    """:func:`fused_lora_linear` for a row-parallel wrapper under tensor parallelism."""
+    n = x.shape[0]
+    x_local = _local_input(module, x)
+    s_local = _local_input(module, s.to(x.dtype))
+    y = _local_product(module, torch.cat((x_local, s_local)))
+    main = _reduce(module, module._apply_lora_to_output(x_local, y[:n]))
+    stream = _reduce(module, y[n:] + stream_delta(module, s_local, slots, y.dtype))
+    return _row_parallel_output(module, main), stream
+
+
 def fused_lora_linear(module: nn.Module, x: Tensor, s: Tensor, slots: Tensor, *args, **kwargs):
     """A LoRA-wrapped linear over the main rows ``x`` and the stream rows ``s`` (request slot
     per stream row: ``slots``) in one base call. Returns ``(main output as the wrapper returns
     it, stream rows' output)``."""
+    if is_row_parallel(module):
+        return fused_row_parallel_lora_linear(module, x, s, slots)
     n = x.shape[0]
     y, rest = split_output(module.base_layer(torch.cat((x, s.to(x.dtype))), *args, **kwargs))
     main = module._apply_lora_to_output(x, y[:n])
@@ -149,6 +204,15 @@ class StreamLoRA:
         return StreamWeights(out, packed.lm_head if packed is not None else None)
 
     def _with_delta(self, module: nn.Module, base: Matmul) -> Matmul:
+        if is_row_parallel(module):  # the partial delta before the all-reduce
+
+            def run_sharded(x: Tensor) -> Tensor:
+                x = _local_input(module, x)
+                y = _local_product(module, x)
+                return _reduce(module, y + stream_delta(module, x, self.row_slots, y.dtype))
+
+            return run_sharded
+
         def run(x: Tensor) -> Tensor:
             y = base(x)
             return y + stream_delta(module, x, self.row_slots, y.dtype)

@@ -62,7 +62,6 @@ from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import confident_drafts
 from vllm_specstream.preflight import (
     ADAPTER_STREAMS_NEED_LORA,
-    LORA_TP_ERROR,
     STREAM_LORA_TP_ERROR,
     STREAM_LORA_WITH_LORA,
     check_platform,
@@ -107,9 +106,6 @@ class SpecStreamMixin:
                 f"num_streams={self.spec_config.num_streams} (config.json: specstream.num_streams)"
             )
         tp_size = vllm_config.parallel_config.tensor_parallel_size
-        if self.num_speculative_tokens and vllm_config.lora_config and tp_size > 1:
-            # Also checked in the front-end (preflight); here for engines built without it.
-            raise ConfigError(LORA_TP_ERROR.format(tp=tp_size))
         if self.spec_config.stream_lora_rank and self.num_speculative_tokens:
             # Also checked in the front-end (preflight).
             if vllm_config.lora_config:
