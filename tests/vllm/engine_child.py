@@ -209,8 +209,8 @@ def lora_mixed(base: str, adapter: str, prompts: list[str], n: int) -> dict:
 
 def lora_stash(ckpt: str, k: int, engine: dict, requests: list[dict]) -> list[dict]:
     """Each request decoded alone (``"lora"``: an adapter directory), drafting ``k`` at every
-    step; its output tokens and the model's last stash (the streams' drafts of the last
-    forward)."""
+    step; its prompt and output tokens and the model's last stash (the streams' drafts of
+    the last forward; none without speculation)."""
     from vllm import SamplingParams
 
     from vllm_specstream.model_executor.specstream import stash_snapshot
@@ -222,7 +222,11 @@ def lora_stash(ckpt: str, k: int, engine: dict, requests: list[dict]) -> list[di
         params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
         o = llm.generate([request["prompt"]], params, lora_request=lora, use_tqdm=False)[0]
         out.append(
-            {"tokens": list(o.outputs[0].token_ids), "stash": llm.apply_model(stash_snapshot)[0]}
+            {
+                "prompt_ids": [list(o.prompt_token_ids)],
+                "tokens": [list(o.outputs[0].token_ids)],
+                "stash": llm.apply_model(stash_snapshot)[0] if k else None,
+            }
         )
     return out
 
