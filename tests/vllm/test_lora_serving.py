@@ -136,18 +136,34 @@ def test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment(tiny_adap
     assert all(t < 0 for row in served[2]["stash"]["table"] for t in row)
 
 
+def _mixed_adapter_requests(adapters) -> list[dict]:
+    first, second = (str(a) for a, _ in adapters)
+    return [
+        {"prompt": p, "max_tokens": 24, "lora": lora}
+        for p, lora in zip(SPEC_PROMPTS, [first, None, second, first])
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain_deployment_outputs(tiny_adapters) -> dict:
+    """The mixed-adapter batch served without speculation (the outputs do not depend on
+    the number of LoRA slots)."""
+    base, adapters = tiny_adapters
+    engine = {**_deployment(base, adapters), "max_cpu_loras": 2}
+    requests = _mixed_adapter_requests(adapters)
+    return run_child("generate", ckpt=str(base), k=0, engine=engine, requests=requests)[0]
+
+
 @pytest.mark.parametrize("max_loras", [2, 1])
-def test_a_base_deployment_is_lossless_over_mixed_adapter_batches(tiny_adapters, max_loras):
+def test_a_base_deployment_is_lossless_over_mixed_adapter_batches(
+    tiny_adapters, plain_deployment_outputs, max_loras
+):
     # max_loras=1: fewer slots than adapters, so the adapters take turns in the one slot
     # (vLLM's LRU) between steps; each request must still draft with its own streams.
     base, adapters = tiny_adapters
     engine = {**_deployment(base, adapters), "max_loras": max_loras, "max_cpu_loras": 2}
-    first, second = (str(a) for a, _ in adapters)
-    requests = [
-        {"prompt": p, "max_tokens": 24, "lora": lora}
-        for p, lora in zip(SPEC_PROMPTS, [first, None, second, first])
-    ]
-    plain, _ = run_child("generate", ckpt=str(base), k=0, engine=engine, requests=requests)
+    requests = _mixed_adapter_requests(adapters)
+    plain = plain_deployment_outputs
     spec, _ = run_child("generate", ckpt=str(base), k=3, engine=engine, requests=requests)
     assert spec["tokens"] == plain["tokens"]
     steps = [m["num_spec_steps"] if m else 0 for m in spec["per_request"]]
@@ -176,7 +192,7 @@ def test_adapter_streams_under_tensor_parallelism_equal_one_rank(
         "lora_stash",
         ckpt=str(base),
         k=3,
-        engine={**engine, "tensor_parallel_size": 3, "gpu_memory_utilization": 0.2},
+        engine={**engine, "tensor_parallel_size": 3, "gpu_memory_utilization": 0.04},
         requests=requests,
         env={**INSPECT, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},  # 3 ranks on 2 cores
     )

@@ -494,7 +494,8 @@ def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, monkeypatch):
     speculation."""
     requests = make_requests(8, seed=3)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 3 ranks on a 2-core machine
-    tp3 = {"tensor_parallel_size": 3, "gpu_memory_utilization": 0.2}
+    # The KV cache share is per rank: 3 x 4% of RAM (1 GB each) for a tiny model.
+    tp3 = {"tensor_parallel_size": 3, "gpu_memory_utilization": 0.04}
     single = run_engine(tiny_merged_tp3, 0, {}, requests)
     spec_tp3 = run_engine(tiny_merged_tp3, 3, tp3, requests)
     assert spec_tp3["tokens"] == single["tokens"]
