@@ -54,7 +54,7 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
     what it made)."""
     from transformers import AutoTokenizer
 
-    from vllm_specstream.training.data import _ids, prompt_text, read_replies
+    from vllm_specstream.training.data import prompt_ids, read_replies
 
     done = set(read_replies(path)) if path.is_file() else set()
     todo = missing_prompts(examples, done)
@@ -81,10 +81,7 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
     with open(path, "a") as f:
         for start in range(0, len(todo), settings.batch_size):
             chunk = todo[start : start + settings.batch_size]
-            prompts = [
-                TokensPrompt(prompt_token_ids=_ids(tokenizer, prompt_text(tokenizer, m)))
-                for m in chunk
-            ]
+            prompts = [TokensPrompt(prompt_token_ids=prompt_ids(tokenizer, m)) for m in chunk]
             outputs = llm.generate(prompts, params, use_tqdm=True)
             for messages, out in zip(chunk, outputs):
                 reply = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)

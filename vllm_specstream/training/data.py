@@ -134,6 +134,11 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of the chat-templated prompt, exactly as training tokenises it."""
+    return _ids(tokenizer, prompt_text(tokenizer, messages))
+
+
 def encode_example(tokenizer: Any, example: ChatExample, max_length: int) -> dict:
     """Token ids of prompt + completion + eos and a mask that is True on completion tokens.
 
@@ -146,16 +151,16 @@ def encode_example(tokenizer: Any, example: ChatExample, max_length: int) -> dic
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ValueError("tokenizer has no eos token")
-    prompt_ids = _ids(tokenizer, prompt_text(tokenizer, example.messages))
+    prompt = prompt_ids(tokenizer, example.messages)
     # eos is appended as an id: tokenising its text is not guaranteed to give the special id.
     completion_ids = _ids(tokenizer, example.completion) + [eos_id]
     if len(completion_ids) >= max_length:
         return {"input_ids": completion_ids[:max_length], "labels_mask": [True] * max_length}
     keep = max_length - len(completion_ids)
-    prompt_ids = prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+    prompt = prompt[-keep:] if len(prompt) > keep else prompt
     return {
-        "input_ids": prompt_ids + completion_ids,
-        "labels_mask": [False] * len(prompt_ids) + [True] * len(completion_ids),
+        "input_ids": prompt + completion_ids,
+        "labels_mask": [False] * len(prompt) + [True] * len(completion_ids),
     }
 
 
