@@ -433,7 +433,12 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--prune-threshold", type=float, default=0.01)
     p.add_argument("--a0", type=float, default=1.0, help="main-stream loss weight")
     p.add_argument("--a-j", type=float, default=0.1, help="stream loss weight")
-    p.add_argument("--lora-rank", type=int, default=32, help="0 = no LoRA (the frozen base: streams and adapters train alone)")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=32,
+        help="0 = no LoRA (the frozen base: streams and adapters train alone)",
+    )
     p.add_argument("--lora-layers", default="all", help="all, msa, or indices like 24,25")
     p.add_argument(
         "--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
