@@ -67,6 +67,15 @@ def test_adapters_that_do_not_fit_the_deployment_are_named(tmp_path, kwargs, mat
         read_adapter_streams(path, "bad", DEPLOYMENT)
 
 
+def test_a_streams_only_adapter_is_refused_as_a_lora_module(tmp_path):
+    path = write_adapter(tmp_path / "so")
+    config = SpecStreamConfig.load(path)
+    config.stream_lora_rank = 4
+    config.save(path)
+    with pytest.raises(ConfigError, match=r"'so'.*streams-only adapter.*specstream export"):
+        read_adapter_streams(path, "so", DEPLOYMENT)
+
+
 def _manager(slot_ids: list, adapters: dict):
     objects = {i: SimpleNamespace(**{ATTRIBUTE: s}) for i, s in adapters.items()}
     return SimpleNamespace(
