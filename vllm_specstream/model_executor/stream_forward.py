@@ -29,7 +29,6 @@ from vllm_specstream.model_executor.lora_streams import StreamLoRA, first_lora_m
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.stream_weights import StreamWeights
-from vllm_specstream.preflight import STREAM_LORA_WITH_LORA
 from vllm_specstream.stream_layer import StreamLayer, run_layer, stream_layer
 from vllm_specstream.stream_math import (
     anchor_main_mask,
@@ -171,9 +170,7 @@ class StreamRunner:
             self.weights = weights or StreamWeights.of_modules(self.layers)
         #: A streams-only checkpoint's delta on the stream rows (None: none).
         self.stream_lora = StreamLoRAWeights.of(params, config)
-        if self.stream_lora is not None:
-            if self.lora is not None:
-                raise ConfigError(STREAM_LORA_WITH_LORA)
+        if self.stream_lora is not None:  # never with LoRA: the model refuses that at init
             self.weights = self.stream_lora.wrap(self.weights)
         self._layouts: dict[int, PagedKVLayout] = {}
 
