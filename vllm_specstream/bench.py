@@ -35,7 +35,8 @@ from vllm_specstream.logger import init_logger
 logger = init_logger(__name__)
 
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
-#: off): the row that shows where speculation stops paying. ``plain-control`` is a second
+#: off): the row that shows where speculation stops paying. ``specstream-tree`` drafts trees
+#: (``tree_top_k`` candidates per stream, ``tree_nodes`` nodes) verified inside vLLM. ``plain-control`` is a second
 #: plain engine: its "speedup" is the run's noise floor (engines differ by a few percent from
 #: one start to the next on small VMs).
 METHODS = (
@@ -46,6 +47,7 @@ METHODS = (
     "medusa",
     "specstream",
     "specstream-fixed",
+    "specstream-tree",
 )
 
 #: Where ``make suffix-decoding`` installs arctic-inference's suffix tree (vLLM's ``suffix``
@@ -114,6 +116,10 @@ class BenchConfig:
     """Extra ``LLM(...)`` keyword arguments for every method."""
     specstream_options: dict = field(default_factory=dict)
     """Extra ``speculative_config`` fields for the specstream method."""
+    tree_top_k: str = "2"
+    """``$SPECSTREAM_TREE_TOP_K`` of the ``specstream-tree`` method."""
+    tree_nodes: int = 8
+    """Draft tree nodes (its ``num_speculative_tokens``) of the ``specstream-tree`` method."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -196,6 +202,8 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
         return speculative_config(k, **cfg.specstream_options)
     if method == "specstream-fixed":
         return speculative_config(k, **{**cfg.specstream_options, "adaptive": False})
+    if method == "specstream-tree":
+        return speculative_config(cfg.tree_nodes, **cfg.specstream_options)
     raise ValueError(method)
 
 
@@ -368,9 +376,14 @@ def _emit(line: str) -> None:
     sys.stdout.flush()
 
 
-def engine_env(cfg: BenchConfig) -> dict[str, str]:
-    """The environment of every method's child process."""
+def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
+    """The environment of ``method``'s child process (None: what every method shares)."""
+    from vllm_specstream.options import ENV_TREE_TOP_K
+
     env = dict(os.environ)
+    env.pop(ENV_TREE_TOP_K, None)  # trees are the specstream-tree method's only
+    if method == "specstream-tree":
+        env[ENV_TREE_TOP_K] = cfg.tree_top_k
     if "suffix" in cfg.methods and SUFFIX_DECODING_DIR.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(SUFFIX_DECODING_DIR), env.get("PYTHONPATH")) if p
@@ -399,7 +412,7 @@ def run_method(method: str, cfg: BenchConfig, on_progress=lambda: None) -> dict:
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
-            env=engine_env(cfg),
+            env=engine_env(cfg, method),
         )
         result = None
         assert proc.stdout is not None

@@ -302,7 +302,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             else tuple(
                 m
                 for m in METHODS
-                if m not in ("specstream-fixed", "plain-control")
+                if m not in ("specstream-fixed", "plain-control", "specstream-tree")
                 and (args.medusa or m != "medusa")
                 and (has_suffix_decoding() or m != "suffix")
             ),
@@ -322,6 +322,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             dtype=args.dtype,
             omp_threads_bind=args.omp_threads_bind,
+            tree_top_k=args.tree_top_k,
+            tree_nodes=args.tree_nodes,
         )
     except (ValueError, OSError) as e:
         print(f"specstream bench: error: {e}", file=sys.stderr)
@@ -559,8 +561,10 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--methods",
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
-        "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off) "
-        "(default: all but plain-control and specstream-fixed; medusa only with --medusa, "
+        "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off),"
+        "specstream-tree (draft trees verified in vLLM: --tree-top-k, --tree-nodes) "
+        "(default: all but plain-control, specstream-fixed and specstream-tree; medusa only "
+        "with --medusa, "
         "suffix only where arctic-inference is importable)",
     )
     p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
@@ -571,6 +575,15 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every method")
+    p.add_argument(
+        "--tree-top-k",
+        default="2",
+        help="specstream-tree: candidates per stream (SPECSTREAM_TREE_TOP_K: one, or one per "
+        "stream)",
+    )
+    p.add_argument(
+        "--tree-nodes", type=int, default=8, help="specstream-tree: draft nodes per request"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each cell's prompts")
     p.add_argument(

@@ -2,8 +2,9 @@
 
 Two come from vLLM's ``speculative_config`` (so they travel with the engine's config to
 every process): the stream *placement* (which proposer class ``model`` names) and the
-user's batch-size schedule. Two come from the environment, which vLLM's engine processes
-inherit: the stream pass's dtype and the confidence rule's threshold.
+user's batch-size schedule. The others come from the environment, which vLLM's engine
+processes inherit: the stream pass's dtype, the confidence rule's threshold and the draft
+tree's shape.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm_specstream.config import ConfigError
 ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
 STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
 ENV_DRAFT_MIN_PROB = "SPECSTREAM_DRAFT_MIN_PROB"
+ENV_TREE_TOP_K = "SPECSTREAM_TREE_TOP_K"
 SCHEDULE_OPTION = "num_speculative_tokens_per_batch_size"
 
 
@@ -38,6 +40,14 @@ class SpecStreamOptions:
     (:mod:`vllm_specstream.model_executor.stream_weights`)."""
     draft_min_prob: float = 0.0
     """``$SPECSTREAM_DRAFT_MIN_PROB``: the confidence rule's threshold in ``[0, 1)``; 0 off."""
+    tree_top_k: tuple[int, ...] | None = None
+    """``$SPECSTREAM_TREE_TOP_K``: candidates per stream of the draft tree (one int for every
+    stream, or one per stream); None: chain drafts. The tree's nodes are the first
+    ``num_speculative_tokens`` of :func:`vllm_specstream.draft_trees.tree_template`."""
+
+    @property
+    def trees(self) -> bool:
+        return self.tree_top_k is not None
 
 
 def placement_of(proposer_path: str | None) -> str | None:
@@ -87,6 +97,53 @@ def draft_min_prob_from(environ: Mapping[str, str]) -> float:
     return value
 
 
+def tree_top_k_from(environ: Mapping[str, str]) -> tuple[int, ...] | None:
+    """``$SPECSTREAM_TREE_TOP_K``: ``"2"`` (two candidates from every stream) or one count
+    per stream (``"3,2,1,1"``); unset, ``0`` or all ones: chains."""
+    text = environ.get(ENV_TREE_TOP_K, "").strip()
+    if not text or text == "0":
+        return None
+    try:
+        ks = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ks = (0,)
+    if any(k < 1 for k in ks):
+        raise ConfigError(
+            f"{ENV_TREE_TOP_K}={text!r}: expected a candidate count >= 1 per stream, one for "
+            "all (e.g. 2) or one per stream (e.g. 3,2,1,1); unset or 0 for chain drafts"
+        )
+    return None if all(k == 1 for k in ks) else ks
+
+
+TREES_TP_ERROR = (
+    f"{ENV_TREE_TOP_K} (draft trees) needs tensor_parallel_size 1, got {{tp}}; unset it to "
+    "draft chains"
+)
+
+
+def draft_tree_of(options: SpecStreamOptions, num_streams: int):
+    """The draft tree of ``options``: the first ``num_speculative_tokens`` nodes of the
+    template of ``num_streams`` streams and ``tree_top_k`` (its top-1 chain first)."""
+    from vllm_specstream.draft_trees import tree_template
+
+    ks = options.tree_top_k
+    if ks is None:
+        return None
+    if len(ks) not in (1, num_streams):
+        raise ConfigError(
+            f"{ENV_TREE_TOP_K}={','.join(map(str, ks))}: give one count for all streams or one "
+            f"per stream (the checkpoint has num_streams={num_streams})"
+        )
+    k = options.num_speculative_tokens
+    template = tree_template(num_streams, ks[0] if len(ks) == 1 else ks, max_nodes=k)
+    if template.num_nodes < k:
+        raise ConfigError(
+            f"num_speculative_tokens={k} exceeds the {template.num_nodes} nodes of the draft "
+            f"tree ({ENV_TREE_TOP_K}={','.join(map(str, ks))}, num_streams={num_streams})"
+        )
+    return template
+
+
 def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> SpecStreamOptions:
     """The settings of the engine of ``vllm_config`` (None, or speculation by another
     method: the streams are off) and
@@ -104,4 +161,5 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
         schedule=tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None,
         stream_dtype=stream_dtype_from(environ),
         draft_min_prob=draft_min_prob_from(environ) if k else 0.0,
+        tree_top_k=tree_top_k_from(environ) if k else None,
     )

@@ -39,6 +39,22 @@ def _apply_patches(vllm_version: str) -> None:
 
         apply_patch(EXPAND_KERNEL, vllm_version)
         apply_patch(CPU_LORA_OPS, vllm_version)
+        if _trees_requested():
+            from vllm_specstream.patches.tree_runner import TREE_RUNNER
+
+            apply_patch(TREE_RUNNER, vllm_version)
+
+
+def _trees_requested() -> bool:
+    """Whether ``$SPECSTREAM_TREE_TOP_K`` asks for tree drafts (a bad value is the model's
+    error to raise, with the variable named)."""
+    from vllm_specstream.config import ConfigError
+    from vllm_specstream.options import tree_top_k_from
+
+    try:
+        return tree_top_k_from(os.environ) is not None
+    except ConfigError:
+        return False
 
 
 def register() -> None:

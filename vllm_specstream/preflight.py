@@ -10,6 +10,7 @@ check the same things again at load time, for engines built without the front-en
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from vllm_specstream.config import MERGED_ARCHITECTURE, ConfigError
@@ -19,6 +20,12 @@ from vllm_specstream.merged_checkpoint import (
     adapter_streams_only,
     check_stream_tensors,
     read_specstream_section,
+)
+from vllm_specstream.options import (
+    TREES_TP_ERROR,
+    SpecStreamOptions,
+    draft_tree_of,
+    tree_top_k_from,
 )
 
 #: Any ``custom_class`` proposer of this package (``--spec-model vllm_specstream.proposer.X``;
@@ -113,7 +120,13 @@ def check_setup(
             raise ConfigError(
                 f"{config_file}: {STREAM_LORA_TP_ERROR.format(tp=tensor_parallel_size)}"
             )
-    if speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
+    trees = tree_top_k_from(os.environ) if speculating and num_speculative_tokens else None
+    if trees is not None:
+        if tensor_parallel_size > 1:
+            raise ConfigError(TREES_TP_ERROR.format(tp=tensor_parallel_size))
+        options = SpecStreamOptions(num_speculative_tokens, tree_top_k=trees)
+        draft_tree_of(options, config.num_streams)  # raises on a size the tree cannot fill
+    elif speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
         g = config.num_streams
         raise ConfigError(
             f"num_speculative_tokens={num_speculative_tokens} exceeds the checkpoint's "

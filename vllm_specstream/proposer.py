@@ -13,9 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_specstream.config import ConfigError
+from vllm_specstream.draft_trees import fill_tree
 from vllm_specstream.draft_watch import NoDraftWatch
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
+from vllm_specstream.model_executor.tree_step import WORKER_TREES, tree_problem
 from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import (
     AcceptanceStats,
@@ -94,6 +96,15 @@ def drafts_at(
     return drafts
 
 
+def tree_anchor_indices(rows: list[int], indices: list[int], query_start_loc: list[int], step):
+    """``indices`` with each tree row's anchor at its deepest accepted node (the sampler's
+    ``anchor_offsets``: off the chain layout :func:`anchor_rows` assumes)."""
+    if step is None or not step.anchor_offsets:
+        return indices
+    offsets = step.anchor_offsets
+    return [query_start_loc[r] + offsets[r] if r in offsets else i for r, i in zip(rows, indices)]
+
+
 class SpecStreamProposer:
     """Speculative streaming drafts for vLLM's ``custom_class`` speculative method.
 
@@ -131,6 +142,10 @@ class SpecStreamProposer:
         self.refused_stashes = 0
         self.calls = 0
         self.watch = NoDraftWatch()
+        #: The model's draft tree (None: chains); set in ``load_model``.
+        self.tree = None
+        #: Why requests drafted chains in a tree engine, each said once.
+        self._chain_reasons: set[str] = set()
 
     def load_model(self, target_model) -> None:
         # Stored as `target`, not `model`: vLLM probes `drafter.model` in some paths.
@@ -142,6 +157,11 @@ class SpecStreamProposer:
         placement = self.placement or target_model.default_placement()
         target_model.set_placement(placement)
         self.target = target_model
+        self.tree = getattr(target_model, "tree", None)
+        if self.tree is not None and self.policy is not None:
+            # The policy sizes the chain; a full chain's step drafts the whole tree.
+            chain = min(self.k, self.tree.num_streams)
+            self.policy = DraftPolicy(chain, None, AcceptanceStats(chain))
         if self.policy is not None and self.policy.cost is None:
             table, note = table_for(placement)
             self.policy.cost = MeasuredCost(table)
@@ -201,6 +221,8 @@ class SpecStreamProposer:
             qsl = batch.query_start_loc.tolist()
             first_positions = batch.positions[batch.query_start_loc[:-1]].tolist()
             rows, indices = anchor_rows(sampled_token_ids, num_tokens_no_spec, qsl, first_positions)
+            if self.tree is not None:
+                indices = tree_anchor_indices(rows, indices, qsl, WORKER_TREES.step)
             problem = anchor_token_problem(
                 stash.input_ids, token_ids_cpu, num_tokens_no_spec, rows, indices
             )
@@ -218,8 +240,10 @@ class SpecStreamProposer:
             )
         if not rows:
             return no_drafts, "no request's last accepted token was in the last forward"
+        if self.tree is not None:
+            return self._tree_drafts(stash, k, rows, indices, len(sampled_token_ids))
         table = stash.draft_table
-        if self.placement == "accepted":
+        if self.target.placement == "accepted":
             table = self.target.draft_at(stash, rows, indices, k)
         drafts = drafts_at(len(sampled_token_ids), rows, indices, table, k)
         why_none = "the streams left no draft at any request's anchor"
@@ -227,6 +251,29 @@ class SpecStreamProposer:
         if min_prob > 0:
             why_none += f" (the confidence rule cut them all: {ENV_DRAFT_MIN_PROB}={min_prob:g})"
         return drafts, why_none
+
+    def _tree_drafts(self, stash, k, rows, indices, num_rows):
+        """Drafts of a tree engine: a request's last accepted token is the deepest accepted
+        node of its tree, wherever the tree put it; eligible requests get the tree when the
+        policy drafts a full chain, the others (and shorter budgets) a chain. The trees are
+        filed for the next step's verification."""
+        self.target.draft_at(stash, rows, indices, 0)
+        chains = drafts_at(num_rows, rows, indices, stash.draft_table, k)
+        runner = WORKER_TREES.runner()
+        req_ids = list(runner.input_batch.req_ids[:num_rows]) if runner is not None else []
+        parents: list[tuple[int, ...] | None] = [None] * num_rows
+        full = k >= self.tree.num_streams and len(req_ids) == num_rows
+        for r, idx in zip(rows, indices) if full else ():
+            why = tree_problem(runner.requests[req_ids[r]].sampling_params)
+            if why is not None:
+                if why not in self._chain_reasons:
+                    self._chain_reasons.add(why)
+                    logger.info("specstream drafts chains for requests with %s", why)
+                continue
+            chains[r] = fill_tree(self.tree, stash.draft_topk[idx]).tolist()
+            parents[r] = self.tree.parents
+        WORKER_TREES.book.file(req_ids, chains, parents)
+        return chains, "the streams left no draft at any request's anchor"
 
 
 class WindowSpecStreamProposer(SpecStreamProposer):

@@ -194,3 +194,13 @@ def test_environment_knobs_reach_every_engine_and_the_report(dirs, monkeypatch):
     nobind = BenchConfig(checkpoint=str(ckpt), omp_threads_bind="nobind")
     assert engine_env(nobind)[OMP_BIND] == "nobind"  # the flag wins over the environment
     assert env_setting(nobind).startswith(f"{OMP_BIND}=nobind")
+
+
+def test_trees_are_the_tree_methods_only(dirs, monkeypatch):
+    ckpt, _ = dirs
+    monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "3")  # a user's shell: not for other methods
+    cfg = BenchConfig(checkpoint=str(ckpt), tree_top_k="2,2,1,1", tree_nodes=6)
+    assert "SPECSTREAM_TREE_TOP_K" not in engine_env(cfg, "specstream")
+    assert engine_env(cfg, "specstream-tree")["SPECSTREAM_TREE_TOP_K"] == "2,2,1,1"
+    assert speculative_config_for("specstream-tree", cfg)["num_speculative_tokens"] == 6
+    assert extra_params("specstream-tree", cfg) == 32

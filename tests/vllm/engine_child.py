@@ -61,7 +61,15 @@ def _lora_requests(requests: list[dict]) -> dict:
     }
 
 
-def generate(ckpt: str, k: int, engine: dict, requests: list[dict], placement=None) -> dict:
+def generate(
+    ckpt: str,
+    k: int,
+    engine: dict,
+    requests: list[dict],
+    placement=None,
+    trees: bool = False,
+    follow_up: int = 0,
+) -> dict:
     """Greedy outputs of ``requests`` (``"lora"``: an adapter directory, with
     ``enable_lora`` in ``engine``); with ``k``, drafting at every batch size (these runs
     check losslessness, not the policy) and per-request speculation metrics."""
@@ -70,13 +78,42 @@ def generate(ckpt: str, k: int, engine: dict, requests: list[dict], placement=No
     extra = {"per_request_spec_decode_metrics": "summary"} if k else {}
     llm = _llm(ckpt, k, placement, disable_log_stats=False, **engine, **extra)
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], stop=r.get("stop"))
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=r["max_tokens"],
+            stop=r.get("stop"),
+            logprobs=r.get("logprobs"),
+        )
         for r in requests
     ]
     loras = _lora_requests(requests)
     outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False, **loras)
     per_request = [o.outputs[0].spec_decode_metrics for o in outs]
+    inspected = {}
+    if follow_up:
+        # Each prompt and its output again, continued by ``follow_up`` tokens with their
+        # logprobs: with prefix caching, the full blocks come from the cache the first run
+        # wrote, so wrong keys/values there change these logprobs.
+        from vllm.inputs import TokensPrompt
+
+        again = [
+            TokensPrompt(prompt_token_ids=list(o.prompt_token_ids) + list(o.outputs[0].token_ids))
+            for o in outs
+        ]
+        more = llm.generate(
+            again, SamplingParams(temperature=0.0, max_tokens=follow_up, logprobs=0), use_tqdm=False
+        )
+        inspected["follow_up"] = [
+            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+            for o in more
+        ]
+        inspected["cached_tokens"] = sum(o.num_cached_tokens or 0 for o in more)
+    if trees:  # needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
+        from vllm_specstream.model_executor.tree_step import tree_stats
+
+        inspected["trees"] = llm.apply_model(tree_stats)[0]
     return {
+        **inspected,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "text": [o.outputs[0].text for o in outs],
         "metrics": _metrics(llm, "spec_decode", "preemptions"),

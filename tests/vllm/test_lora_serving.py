@@ -154,14 +154,14 @@ def plain_deployment_outputs(tiny_adapters) -> dict:
     return run_child("generate", ckpt=str(base), k=0, engine=engine, requests=requests)[0]
 
 
-@pytest.mark.parametrize("max_loras", [2, 1])
-def test_a_base_deployment_is_lossless_over_mixed_adapter_batches(
-    tiny_adapters, plain_deployment_outputs, max_loras
+def test_a_base_deployment_is_lossless_when_adapters_share_one_slot(
+    tiny_adapters, plain_deployment_outputs
 ):
     # max_loras=1: fewer slots than adapters, so the adapters take turns in the one slot
-    # (vLLM's LRU) between steps; each request must still draft with its own streams.
+    # (vLLM's LRU) between steps; each request must still draft with its own streams. (Two
+    # adapters in one step: test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment.)
     base, adapters = tiny_adapters
-    engine = {**_deployment(base, adapters), "max_loras": max_loras, "max_cpu_loras": 2}
+    engine = {**_deployment(base, adapters), "max_loras": 1, "max_cpu_loras": 2}
     requests = _mixed_adapter_requests(adapters)
     plain = plain_deployment_outputs
     spec, _ = run_child("generate", ckpt=str(base), k=3, engine=engine, requests=requests)

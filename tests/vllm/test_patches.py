@@ -325,3 +325,48 @@ def test_lora_adapter_streams_patch_wraps_vllms_adapter_loading():
     assert lines[-3] == "True True"
     assert lines[-2] == "adapter None"
     assert lines[-1] == "True"
+
+
+@needs_cpu_wheel
+def test_tree_runner_hooks_still_fit_vllm():
+    # Fails when vLLM changes what tree verification hooks into: the runner's input
+    # preparation (its arguments, the batch fields read after it), the module global the
+    # runner builds its rejection sampler from, the scheduler output's drafts, the attention
+    # backend registry and the CPU attention impl's forward. Applied only on request.
+    out = run_python(
+        "import inspect\n"
+        "from vllm.v1.worker import gpu_model_runner as g\n"
+        "from vllm.v1.worker.gpu_input_batch import InputBatch\n"
+        "from vllm.v1.core.sched.output import SchedulerOutput\n"
+        "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
+        "from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as I\n"
+        "print(list(inspect.signature(g.GPUModelRunner._prepare_inputs).parameters)[:3])\n"
+        "print('RejectionSampler(' in inspect.getsource(g.GPUModelRunner.__init__))\n"
+        "src = inspect.getsource(InputBatch.__init__)\n"
+        "print('self.num_computed_tokens_cpu' in src, '_req_ids' in src)\n"
+        "print('scheduled_spec_decode_tokens' in SchedulerOutput.__dataclass_fields__)\n"
+        "print(list(inspect.signature(I.forward).parameters)[:8])\n"
+        "from vllm_specstream.plugin import register\n"
+        "register()\n"
+        "print(g.RejectionSampler.__name__, E.CPU_ATTN.get_path().rsplit('.', 1)[-1])\n"
+        "import os\n"
+        "os.environ['SPECSTREAM_TREE_TOP_K'] = '2'\n"
+        "from vllm_specstream.patches import apply_patch\n"
+        "from vllm_specstream.patches.tree_runner import TREE_RUNNER\n"
+        "from vllm_specstream.vllm_version import ensure_supported_vllm\n"
+        "apply_patch(TREE_RUNNER, ensure_supported_vllm())\n"
+        "print(g.RejectionSampler.__name__, E.CPU_ATTN.get_class().__name__,\n"
+        "      getattr(g.GPUModelRunner._prepare_inputs, '__specstream_tree__', False))\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-7] == "['self', 'scheduler_output', 'num_scheduled_tokens']"
+    assert lines[-6] == "True"
+    assert lines[-5] == "True True"
+    assert lines[-4] == "True"
+    assert lines[-3] == (
+        "['self', 'layer', 'query', 'key', 'value', 'kv_cache', 'attn_metadata', 'output']"
+    )
+    # without SPECSTREAM_TREE_TOP_K nothing of vLLM's is replaced
+    assert lines[-2] == "RejectionSampler CPUAttentionBackend"
+    assert lines[-1] == "TreeRejectionSampler TreeCPUAttentionBackend True"

@@ -156,7 +156,7 @@ DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm
 def demo_runs(base_model_dir, tmp_path_factory):
     """The committed demo adapter merged onto the embedded model (fp32): plain, speculative,
     speculative with the stream-confidence rule, and vLLM's ngram method (the streams idle),
-    on 32 SQL test prompts in one batch."""
+    on 16 SQL test prompts in one batch."""
     import torch
     from transformers import AutoTokenizer
 
@@ -169,7 +169,7 @@ def demo_runs(base_model_dir, tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(ckpt)
     requests = [
         {"prompt": prompt_text(tok, to_example("sql", r).messages), "max_tokens": 64}
-        for r in build_task("sql", "test", n=32)
+        for r in build_task("sql", "test", n=16)
     ]
     plain = run_engine(ckpt, 0, {}, requests)
     spec = run_engine(ckpt, 4, {}, requests)
@@ -187,7 +187,7 @@ def test_other_speculative_methods_serve_a_specstream_checkpoint(demo_runs):
 
 
 def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
-    """A trained checkpoint: outputs identical to plain decoding over 32 prompts, and the
+    """A trained checkpoint: outputs identical to plain decoding over 16 prompts, and the
     streams' drafts are mostly accepted (reference decoder: 3.2 tokens per step on the whole
     test split)."""
     plain, spec, *_ = demo_runs

@@ -34,6 +34,7 @@ from vllm.platforms import current_platform
 from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError
 from vllm_specstream.cpu_env import single_thread_note
+from vllm_specstream.draft_trees import TreeTemplate
 from vllm_specstream.logger import init_logger
 from vllm_specstream.merged_checkpoint import (
     adapter_streams_only,
@@ -58,7 +59,14 @@ from vllm_specstream.model_executor.stream_forward import (
     window_anchors,
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
-from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
+from vllm_specstream.model_executor.tree_step import WORKER_TREES, depth_positions
+from vllm_specstream.options import (
+    ENV_DRAFT_MIN_PROB,
+    ENV_TREE_TOP_K,
+    TREES_TP_ERROR,
+    draft_tree_of,
+    read_options,
+)
 from vllm_specstream.policy import confident_drafts
 from vllm_specstream.preflight import (
     ADAPTER_STREAMS_NEED_LORA,
@@ -100,12 +108,25 @@ class SpecStreamMixin:
                 )
                 if note:
                     logger.warning("specstream: %s", note)
-        if self.num_speculative_tokens > self.spec_config.num_streams:
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        #: The draft tree's template (None: chain drafts).
+        self.tree: TreeTemplate | None = None
+        if self.options.trees:
+            self.tree = draft_tree_of(self.options, self.spec_config.num_streams)
+            if tp_size > 1:
+                raise ConfigError(TREES_TP_ERROR.format(tp=tp_size))
+            WORKER_TREES.bind_model(self)
+            logger.info(
+                "specstream verifies draft trees: %d nodes (top-k per stream %s, %s)",
+                self.tree.num_nodes,
+                list(self.tree.top_k),
+                ENV_TREE_TOP_K,
+            )
+        elif self.num_speculative_tokens > self.spec_config.num_streams:
             raise ConfigError(
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds the checkpoint's "
                 f"num_streams={self.spec_config.num_streams} (config.json: specstream.num_streams)"
             )
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
         if self.spec_config.stream_lora_rank and self.num_speculative_tokens:
             # Also checked in the front-end (preflight).
             if vllm_config.lora_config:
@@ -161,6 +182,10 @@ class SpecStreamMixin:
     def set_placement(self, placement: str) -> None:
         if placement not in PLACEMENTS:
             raise ConfigError(f"stream placement must be one of {PLACEMENTS}, got {placement!r}")
+        if self.tree is not None and placement != "accepted":
+            # Window rows inside a tree would read keys/values of rejected siblings.
+            logger.info("specstream draft trees run the streams at the accepted node")
+            placement = "accepted"
         self.placement = placement
         if placement == "window" and self._eager and self._fused is None:
             self._fused = FusedStreams(self._stream_runner())
@@ -239,6 +264,8 @@ class SpecStreamMixin:
             self.stash = None
             self.no_stash_reason = "the forward ended before the stream pass"
             batch = current_forward_batch(self._layer_name, positions)
+            if self.tree is not None and batch is not None:
+                positions = self._tree_positions(positions, batch)
         fused = self._begin_fused(batch)
         try:
             out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
@@ -250,6 +277,43 @@ class SpecStreamMixin:
         if self.num_speculative_tokens > 0:
             self._after_main(aux[0], positions, input_ids, batch, streams)
         return hidden
+
+    def _tree_positions(self, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Rotary positions by depth for this step's tree rows (``root + depth``: siblings
+        share one), also in ``batch``; the runner's own tensor is left alone (vLLM's
+        attention metadata aliases it)."""
+        step = WORKER_TREES.step
+        if step is None or not step.rows:
+            return positions
+        positions = depth_positions(positions, batch.query_start_loc.tolist(), step)
+        batch.positions = positions[: batch.positions.shape[0]].clone()
+        return positions
+
+    def move_kv(self, moves: dict[int, list[tuple[int, int]]]) -> None:
+        """Copy, in every layer's cache, the keys/values of request row ``r`` from position
+        ``src`` to ``dst`` for each ``(src, dst)`` of ``moves[r]`` (tree verification: the
+        accepted path into the slots vLLM keeps). All sources are read before any write."""
+        stash = self.stash
+        if stash is None:
+            raise RuntimeError("specstream tree verification: no forward batch to move KV in")
+        rows = [r for r, pairs in moves.items() for _ in pairs]
+        pos = torch.tensor([p for pairs in moves.values() for p in pairs], dtype=torch.long)
+        runner = self._stream_runner()
+        layers = [layer for layer in self.model.layers if hasattr(layer, "self_attn")]
+        attn = layers[0].self_attn.attn
+        first = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+        layout = runner._layout(attn, first)
+        bs = layout.block_size
+        table = stash.batch.block_table[torch.tensor(rows)].long()
+        index = []
+        for col in (0, 1):  # src, dst
+            blocks = table.gather(1, (pos[:, col] // bs)[:, None]).squeeze(1)
+            index.append(layout.flat_indices(first.shape[1], blocks, pos[:, col] % bs))
+        (k_src, v_src), (k_dst, v_dst) = index
+        for layer in layers:
+            cache = layer.self_attn.attn.kv_cache
+            flat = (cache[0] if isinstance(cache, list) else cache).view(-1)
+            flat[k_dst], flat[v_dst] = flat[k_src], flat[v_src]
 
     def _begin_fused(self, batch: ForwardBatch | None) -> bool:
         """Start a fused window pass for this forward if there is one to run."""
@@ -282,6 +346,8 @@ class SpecStreamMixin:
         table = torch.full((positions.shape[0], self.spec_config.num_streams), -1, dtype=torch.long)
         ids = input_ids[: positions.shape[0]].clone() if input_ids is not None else None
         stash = StreamStash(self.forward_step, batch, ids, table)
+        if self.tree is not None:
+            stash.draft_topk = torch.full((*table.shape, max(self.tree.top_k)), -1)
         self.stash = self.last_stash = stash
         self.no_stash_reason = None
         if streams is not None:  # fused: the LM head runs with the main rows
@@ -372,6 +438,9 @@ class SpecStreamMixin:
         else:
             tokens = logits.argmax(dim=-1).view(-1, g)
         stash.draft_table[anchors[valid], :g] = tokens
+        if stash.draft_topk is not None:
+            top = logits.topk(stash.draft_topk.shape[-1], dim=-1).indices
+            stash.draft_topk[anchors[valid], :g] = top.view(-1, g, top.shape[-1])
 
 
 class SpecStreamLlamaForCausalLM(SpecStreamMixin, LlamaForCausalLM):

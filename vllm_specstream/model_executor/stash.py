@@ -34,6 +34,9 @@ class StreamStash:
     msa_input: torch.Tensor | None = None
     """``[num_tokens, h]`` residual stream entering L0, kept until ``draft_at`` (placement
     ``"accepted"``)."""
+    draft_topk: torch.Tensor | None = None
+    """``[num_tokens, G, K]`` each stream's top-K tokens at each anchor, best first (draft
+    trees only)."""
     drafting_rank: bool = True
     """False on tensor-parallel ranks whose drafts vLLM ignores (their LM head gathers to
     rank 0): an empty draft table there is expected."""

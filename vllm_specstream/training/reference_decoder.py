@@ -90,8 +90,10 @@ def speculative_generate(
     num_speculative_tokens: int | None = None,
     top_k: int = 1,
     prune_threshold: float | None = None,
+    max_nodes: int | None = None,
 ) -> DecodeResult:
-    """Greedy speculative streaming; ``top_k == 1`` drafts a chain, ``top_k > 1`` a tree.
+    """Greedy speculative streaming; ``top_k == 1`` drafts a chain, ``top_k > 1`` a tree
+    (its first ``max_nodes`` nodes, as vLLM drafts ``num_speculative_tokens`` of them).
 
     ``prune_threshold`` (tree only) drops candidates whose early-exit probability given their
     parent is lower (needs a checkpoint with the pruning adapter); None uses the config's.
@@ -103,7 +105,7 @@ def speculative_generate(
         )
     if top_k > 1 and prune_threshold is None and model.prune_a is not None:
         prune_threshold = model.config.prune.threshold
-    template = tree_template(n_spec, top_k)
+    template = tree_template(n_spec, top_k, max_nodes=max_nodes)
     out = model(torch.tensor([prompt]), anchors=torch.tensor([[len(prompt) - 1]]), use_cache=True)
     result = DecodeResult(tokens=[_argmax(model, out.main_hidden[0, -1])])
     cache, past = out.cache, len(prompt)

@@ -1,0 +1,131 @@
+"""Draft trees verified inside vLLM (``$SPECSTREAM_TREE_TOP_K``): lossless on real engines,
+the accepted path's keys/values where vLLM keeps them, acceptance as the reference decoder's."""
+
+import random
+from pathlib import Path
+
+import pytest
+from engine_child import run_child
+from test_specstream_engine import ENGINES, make_requests
+
+from vllm_specstream.options import ENV_TREE_TOP_K
+
+pytestmark = [pytest.mark.engine, pytest.mark.model]
+
+E2E_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "e2e-smollm2-ss4"
+#: Two candidates per stream, 8 nodes: the top-1 chain of 4 and the 4 likeliest others.
+TOP_K, NODES = 2, 8
+TREES = {ENV_TREE_TOP_K: str(TOP_K), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def meaning_representations(n: int, seed: int = 0) -> list[str]:
+    """E2E-style restaurant descriptions, made up here (no dataset rows)."""
+    rng = random.Random(seed)
+    names = ["The Copper Kettle", "Blue Heron", "The Lantern", "Saffron Court", "Green Man"]
+    fields = [
+        ("eatType", ["pub", "restaurant", "coffee shop"]),
+        ("food", ["Italian", "French", "Chinese", "English", "Indian", "Japanese"]),
+        ("priceRange", ["cheap", "moderate", "high", "less than £20"]),
+        ("area", ["riverside", "city centre"]),
+        ("familyFriendly", ["yes", "no"]),
+    ]
+    out = []
+    for _ in range(n):
+        parts = [f"name[{rng.choice(names)}]"]
+        parts += [f"{k}[{rng.choice(v)}]" for k, v in fields[: rng.randint(2, len(fields))]]
+        out.append(", ".join(parts))
+    return out
+
+
+def _run(ckpt, k: int, engine: dict, requests: list[dict], env=None, **kw) -> dict:
+    result, out = run_child(
+        "generate",
+        env=env,
+        ckpt=str(ckpt),
+        k=k,
+        engine=engine,
+        requests=requests,
+        trees=bool(env),
+        **kw,
+    )
+    assert "refused the model's stream stash" not in out.stdout + out.stderr, out.stderr[-6000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def e2e(base_model_dir, tmp_path_factory):
+    """The committed E2E adapter merged (fp32), 12 prompts (every fourth asks for logprobs,
+    which read drafts as a chain: those requests draft chains beside the trees) and the
+    same served plainly."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from vllm_specstream.training.checkpoint import export_merged
+    from vllm_specstream.training.data import prompt_text
+    from vllm_specstream.training.tasks.public import e2e_prompt
+
+    tmp = tmp_path_factory.mktemp("tree")
+    ckpt = export_merged(E2E_ADAPTER, tmp / "merged", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    requests = [
+        {"prompt": prompt_text(tok, [{"role": "user", "content": e2e_prompt(mr)}])}
+        | {"max_tokens": 64}
+        | ({"logprobs": 0} if i % 4 == 3 else {})
+        for i, mr in enumerate(meaning_representations(12))
+    ]
+    # Blocks of 32 tokens: prompt and output fill some, so the follow-up requests read back
+    # from the prefix cache what the first ones wrote.
+    engine = {"block_size": 32}
+    plain = _run(ckpt, 0, engine, requests, follow_up=8)
+    tree = _run(ckpt, NODES, engine, requests, env=TREES, follow_up=8)
+    return ckpt, tok, requests, plain, tree
+
+
+def test_trees_are_lossless_and_leave_the_accepted_path_in_the_cache(e2e):
+    _, _, _, plain, tree = e2e
+    assert tree["tokens"] == plain["tokens"]
+    stats = tree["trees"]
+    # Trees were verified and some accepted paths left the top-1 chain; their keys/values
+    # were moved into the slots vLLM keeps. Without the move the outputs differ, and the
+    # follow-ups (each prompt and output again, from the prefix cache) see other logprobs.
+    assert stats["tree_rows"] > 20 and stats["off_chain_rows"] > 0, stats
+    assert tree["cached_tokens"] > 0 and tree["cached_tokens"] == plain["cached_tokens"]
+    for want, got in zip(plain["follow_up"], tree["follow_up"]):
+        assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_tree_acceptance_equals_the_reference_decoders(e2e):
+    # The same tree (8 nodes, top-2) decoded by the training side's reference decoder on
+    # the same prompts (the tree requests only): vLLM's tokens per step within 5%.
+    import torch
+
+    from vllm_specstream.training.evaluate import load_any
+    from vllm_specstream.training.reference_decoder import speculative_generate
+
+    ckpt, tok, requests, _, tree = e2e
+    model = load_any(ckpt).eval().to(torch.float32)
+    tokens = steps = ref_tokens = ref_steps = 0
+    for req, got, metrics in zip(requests, tree["tokens"], tree["per_request"]):
+        if "logprobs" in req:
+            continue
+        prompt = tok(req["prompt"], add_special_tokens=False).input_ids
+        ref = speculative_generate(
+            model, prompt, 64, tok.eos_token_id, top_k=TOP_K, max_nodes=NODES
+        )
+        assert ref.tokens == got
+        ref_tokens, ref_steps = ref_tokens + len(ref.tokens) - 1, ref_steps + ref.steps
+        tokens += metrics["num_accepted_draft_tokens"] + metrics["num_spec_steps"]
+        steps += metrics["num_spec_steps"]
+    assert tokens / steps == pytest.approx(ref_tokens / ref_steps, rel=0.05)
+
+
+def test_trees_with_chunked_prefill_preemption_and_a_short_context(tiny_merged):
+    # Tiny prefill chunks, prefix caching, a KV cache of 256 tokens (requests preempted and
+    # recomputed) and max_model_len 224 (vLLM's placeholder drafts near the end).
+    requests = make_requests(24, seed=11)
+    engine = ENGINES["chunked"]
+    plain = _run(tiny_merged, 0, engine, requests)
+    tree = _run(tiny_merged, 6, engine, requests, env=TREES)
+    assert tree["tokens"] == plain["tokens"]
+    assert tree["trees"]["tree_rows"] > 0
+    assert tree["metrics"]["vllm:spec_decode_num_drafts"] > 0
