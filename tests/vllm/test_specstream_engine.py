@@ -9,7 +9,7 @@ import pytest
 from engine_child import CHILD, run_child
 
 from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
-from vllm_specstream.options import ENV_DRAFT_MIN_PROB, ENV_STREAM_DTYPE
+from vllm_specstream.options import ENV_DRAFT_MIN_PROB, ENV_STREAM_DTYPE, ENV_TREE_TOP_K
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -65,7 +65,9 @@ ENGINES = {
 }
 
 
-def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None):
+def run_engine(
+    ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None, trees=False
+):
     result, out = run_child(
         "generate",
         env=env,
@@ -74,6 +76,7 @@ def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=No
         engine=engine,
         requests=requests,
         placement=placement,
+        trees=trees,
     )
     # The proposer never met a stash of another step (the stash's anchor tokens are the
     # requests' last accepted tokens in every step of these runs).
@@ -82,8 +85,10 @@ def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=No
 
 
 PLACEMENTS = ("window", "accepted")
-#: Placements run per engine setting (the default placement everywhere).
-ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("window",)}
+#: Placements run per engine setting (the default placement everywhere); "tree": draft
+#: trees verified in vLLM (6 nodes, top-2 per stream; ``test_tree_verification.py``).
+ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("window", "tree")}
+TREE_ENV = {ENV_TREE_TOP_K: "2", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 #: Stream-pass matmuls per placement in the "default" setting, so that both paths of
 #: ``stream_weights`` run whatever the CPU (the "chunked" setting takes the automatic one);
 #: where the CPU has no bf16 GEMM, "bfloat16" runs the fallback to the model's dtype.
@@ -99,7 +104,9 @@ def runs(request, tiny_merged):
     plain = run_engine(tiny_merged, 0, engine, requests)
     placements = ENGINE_PLACEMENTS[request.param]
     spec = {
-        p: run_engine(
+        p: run_engine(tiny_merged, 6, engine, requests, env=TREE_ENV, trees=True)
+        if p == "tree"
+        else run_engine(
             tiny_merged,
             3,
             engine,
@@ -118,7 +125,7 @@ def _spec_run(runs, placement) -> dict:
     return runs[2][placement]
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", (*PLACEMENTS, "tree"))
 def test_greedy_is_token_identical_with_speculation(runs, placement):
     requests, plain, _ = runs
     spec = _spec_run(runs, placement)
@@ -134,10 +141,13 @@ def test_greedy_is_token_identical_with_speculation(runs, placement):
     assert stopped, "no request ended on a stop string"
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("placement", (*PLACEMENTS, "tree"))
 def test_drafts_are_proposed_and_counted(runs, placement):
-    metrics = _spec_run(runs, placement)["metrics"]
+    run = _spec_run(runs, placement)
+    metrics = run["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0, metrics
+    if placement == "tree":
+        assert run["trees"]["tree_rows"] > 0, run["trees"]
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
 
 
@@ -467,7 +477,7 @@ def test_sampling_with_speculation_matches_plain_sampling(tiny_merged):
     rejection sampling with stream drafts) follow the same distribution as plain sampling.
     Two-sample chi-square tests at alpha = 1e-3 each: false-alarm rate <= 0.2% per run.
     Without the expand-kernel fix the temperatures are garbage and p is ~0."""
-    n = 800
+    n = 500
     runs = {spec: run_child("sample", ckpt=str(tiny_merged), k=spec, n=n)[0] for spec in (0, 3)}
     for pos in (1, 2):
         plain = [t[pos] for t in runs[0]]
