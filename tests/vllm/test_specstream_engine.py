@@ -121,7 +121,7 @@ def runs(request, tiny_merged):
 
 def _spec_run(runs, placement) -> dict:
     if placement not in runs[2]:
-        pytest.skip(f"placement {placement} is run with the default engine settings only")
+        pytest.skip(f"placement {placement} is not run with these engine settings")
     return runs[2][placement]
 
 
