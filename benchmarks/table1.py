@@ -40,7 +40,7 @@ TASKS = (
 )
 #: Methods of ``specstream bench``, in the order of the table (``plain-control``: a second
 #: plain engine, the run's noise floor).
-METHODS = ("plain", "plain-control", "ngram", "suffix", "medusa", "specstream")
+METHODS = ("plain", "plain-control", "ngram", "suffix", "medusa", "specstream", "specstream-tree")
 
 
 def _read(path: Path) -> dict | None:

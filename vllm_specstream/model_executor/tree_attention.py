@@ -128,6 +128,27 @@ def _layout(kv_cache: Tensor, isa: str) -> PagedKVLayout:
     return _layouts[key]
 
 
+#: The prefix indices of the current step, shared by every layer (one cache shape and layout).
+_prefix_indices: dict[tuple, tuple[Tensor, Tensor]] = {}
+_prefix_step: list[TreeStep | None] = [None]
+
+
+def _prefix_index(
+    step: TreeStep, layout: PagedKVLayout, block_row: Tensor, length: int, shape
+) -> tuple[Tensor, Tensor]:
+    """Flat cache indices of positions ``0..length-1`` of one request, computed once per
+    step: the first layer builds them, the others reuse them."""
+    if _prefix_step[0] is not step:
+        _prefix_indices.clear()
+        _prefix_step[0] = step
+    key = (int(block_row.data_ptr()), length, tuple(shape))
+    if key not in _prefix_indices:
+        pos = torch.arange(length)
+        blocks = block_row.long()[pos // layout.block_size]
+        _prefix_indices[key] = layout.flat_indices(shape[1], blocks, pos % layout.block_size)
+    return _prefix_indices[key]
+
+
 def redo_tree_rows(
     impl: CPUAttentionBackendImpl,
     layer,
@@ -148,7 +169,6 @@ def redo_tree_rows(
     qsl = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     layout = _layout(kv_cache, layer.isa)
-    bs = layout.block_size
     for tree in step.requests:
         r = tree.req_index
         start, end = qsl[r], qsl[r + 1]
@@ -158,9 +178,8 @@ def redo_tree_rows(
         c = seq_lens[r] - (end - start)  # tokens cached before this step
         # Layers sharing another layer's cache get no key/value: read the step from the cache.
         last = c if key is not None and value is not None else c + 1 + n
-        pos = torch.arange(last)
-        blocks = metadata.block_table[r].long()[pos // bs]
-        k_cached, v_cached = layout.gather(kv_cache, blocks, pos % bs)
+        k_idx, v_idx = _prefix_index(step, layout, metadata.block_table[r], last, kv_cache.shape)
+        k_cached, v_cached = torch.take(kv_cache, k_idx), torch.take(kv_cache, v_idx)
         if last == c:
             k_step, v_step = key[start : start + 1 + n], value[start : start + 1 + n]
         else:
