@@ -36,9 +36,9 @@ logger = init_logger(__name__)
 
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
 #: off): the row that shows where speculation stops paying. ``specstream-tree`` drafts trees
-#: (``tree_top_k`` candidates per stream, ``tree_nodes`` nodes) verified inside vLLM. ``plain-control`` is a second
-#: plain engine: its "speedup" is the run's noise floor (engines differ by a few percent from
-#: one start to the next on small VMs).
+#: (``tree_top_k`` candidates per stream, ``tree_nodes`` nodes) verified inside vLLM.
+#: ``plain-control`` is a second plain engine: its "speedup" is the run's noise floor
+#: (engines differ by a few percent from one start to the next on small VMs).
 METHODS = (
     "plain",
     "plain-control",

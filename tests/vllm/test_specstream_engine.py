@@ -65,9 +65,8 @@ ENGINES = {
 }
 
 
-def run_engine(
-    ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None, trees=False
-):
+def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None, **kw):
+    """``engine_child.generate`` (``kw``: its further arguments, e.g. ``trees``)."""
     result, out = run_child(
         "generate",
         env=env,
@@ -76,7 +75,7 @@ def run_engine(
         engine=engine,
         requests=requests,
         placement=placement,
-        trees=trees,
+        **kw,
     )
     # The proposer never met a stash of another step (the stash's anchor tokens are the
     # requests' last accepted tokens in every step of these runs).

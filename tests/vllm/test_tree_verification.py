@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from engine_child import run_child
+from test_specstream_engine import run_engine
 
 from vllm_specstream.options import ENV_TREE_TOP_K
 
@@ -38,21 +38,6 @@ def meaning_representations(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def _run(ckpt, k: int, engine: dict, requests: list[dict], env=None, **kw) -> dict:
-    result, out = run_child(
-        "generate",
-        env=env,
-        ckpt=str(ckpt),
-        k=k,
-        engine=engine,
-        requests=requests,
-        trees=bool(env),
-        **kw,
-    )
-    assert "refused the model's stream stash" not in out.stdout + out.stderr, out.stderr[-6000:]
-    return result
-
-
 @pytest.fixture(scope="module")
 def e2e(base_model_dir, tmp_path_factory):
     """The committed E2E adapter merged (fp32), 12 prompts (every fourth asks for logprobs,
@@ -77,8 +62,8 @@ def e2e(base_model_dir, tmp_path_factory):
     # Blocks of 32 tokens: prompt and output fill some, so the follow-up requests read back
     # from the prefix cache what the first ones wrote.
     engine = {"block_size": 32}
-    plain = _run(ckpt, 0, engine, requests, follow_up=8)
-    tree = _run(ckpt, NODES, engine, requests, env=TREES, follow_up=8)
+    plain = run_engine(ckpt, 0, engine, requests, follow_up=8)
+    tree = run_engine(ckpt, NODES, engine, requests, env=TREES, trees=True, follow_up=8)
     return ckpt, tok, requests, plain, tree
 
 

@@ -61,6 +61,10 @@ def raise_if_not_permutation(found: Tensor) -> None:
             )
 
 
+#: Probed layouts by (kv heads, block size, head dim, dtype, ISA).
+_LAYOUTS: dict[tuple, PagedKVLayout] = {}
+
+
 @dataclass
 class PagedKVLayout:
     """Where token ``p`` of a block, dim ``d``, sits inside a (block, head) K or V region."""
@@ -71,6 +75,17 @@ class PagedKVLayout:
     """``[block_size, head_dim]`` flat offsets into the V region."""
     block_size: int
     head_dim: int
+
+    @classmethod
+    def of_cache(cls, kv_cache: Tensor, isa: str) -> PagedKVLayout:
+        """The layout of a layer's cache ``[num_blocks, num_kv_heads, block_size,
+        2 * head_dim]`` written with ``isa``, probed once per process for each shape, dtype
+        and ISA (every layer of a model shares one)."""
+        _, heads, block_size, two_d = kv_cache.shape
+        key = (heads, block_size, two_d // 2, kv_cache.dtype, isa)
+        if key not in _LAYOUTS:
+            _LAYOUTS[key] = cls.probe(heads, block_size, two_d // 2, kv_cache.dtype, isa)
+        return _LAYOUTS[key]
 
     @classmethod
     def probe(
@@ -95,6 +110,17 @@ class PagedKVLayout:
         k = base[:, :, None] + self.k_offsets[in_block.long()][:, None, :]
         v = base[:, :, None] + region + self.v_offsets[in_block.long()][:, None, :]
         return k, v
+
+    def position_indices(
+        self, num_kv_heads: int, block_table: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`flat_indices` of token ``positions`` of requests with block-table rows
+        ``block_table``: one row ``[max_blocks]`` with positions ``[n]``, or rows
+        ``[R, max_blocks]`` with positions ``[R, P]``."""
+        blocks = torch.gather(block_table.long(), -1, positions // self.block_size)
+        return self.flat_indices(
+            num_kv_heads, blocks.flatten(), (positions % self.block_size).flatten()
+        )
 
     def gather(
         self, kv_cache: Tensor, block_ids: Tensor, in_block: Tensor

@@ -50,6 +50,7 @@ from vllm_specstream.model_executor.forward_batch import (
 )
 from vllm_specstream.model_executor.fused_streams import FusedStreams
 from vllm_specstream.model_executor.lora_streams import base_logits_processor
+from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stash import StreamStash
 from vllm_specstream.model_executor.stream_forward import (
     StreamParams,
@@ -298,18 +299,15 @@ class SpecStreamMixin:
             raise RuntimeError("specstream tree verification: no forward batch to move KV in")
         rows = [r for r, pairs in moves.items() for _ in pairs]
         pos = torch.tensor([p for pairs in moves.values() for p in pairs], dtype=torch.long)
-        runner = self._stream_runner()
         layers = [layer for layer in self.model.layers if hasattr(layer, "self_attn")]
         attn = layers[0].self_attn.attn
         first = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-        layout = runner._layout(attn, first)
-        bs = layout.block_size
-        table = stash.batch.block_table[torch.tensor(rows)].long()
-        index = []
-        for col in (0, 1):  # src, dst
-            blocks = table.gather(1, (pos[:, col] // bs)[:, None]).squeeze(1)
-            index.append(layout.flat_indices(first.shape[1], blocks, pos[:, col] % bs))
-        (k_src, v_src), (k_dst, v_dst) = index
+        layout = PagedKVLayout.of_cache(first, attn.isa)
+        table = stash.batch.block_table[torch.tensor(rows)]
+        (k_src, v_src), (k_dst, v_dst) = (
+            layout.position_indices(first.shape[1], table, pos[:, col : col + 1])
+            for col in (0, 1)  # src, dst
+        )
         for layer in layers:
             cache = layer.self_attn.attn.kv_cache
             flat = (cache[0] if isinstance(cache, list) else cache).view(-1)

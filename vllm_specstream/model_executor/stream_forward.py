@@ -172,28 +172,14 @@ class StreamRunner:
         self.stream_lora = StreamLoRAWeights.of(params, config)
         if self.stream_lora is not None:  # never with LoRA: the model refuses that at init
             self.weights = self.stream_lora.wrap(self.weights)
-        self._layouts: dict[int, PagedKVLayout] = {}
-
-    def _layout(self, attn, kv_cache: Tensor) -> PagedKVLayout:
-        key = id(attn)
-        if key not in self._layouts:
-            _, kv_heads, block_size, two_hd = kv_cache.shape
-            self._layouts[key] = PagedKVLayout.probe(
-                kv_heads, block_size, two_hd // 2, kv_cache.dtype, attn.isa
-            )
-        return self._layouts[key]
 
     def main_kv_index(self, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor, int]:
         """Flat cache indices of the main keys/values of positions ``context`` (``[R, P]``),
         shared by all MSA layers (their caches have one shape and layout)."""
         attn = self.layers[0].self_attn.attn
         kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-        layout = self._layout(attn, kv_cache)
-        bs = layout.block_size
-        block_ids = torch.gather(batch.block_table.long(), 1, context // bs)
-        k_idx, v_idx = layout.flat_indices(
-            kv_cache.shape[1], block_ids.flatten(), (context % bs).flatten()
-        )
+        layout = PagedKVLayout.of_cache(kv_cache, attn.isa)
+        k_idx, v_idx = layout.position_indices(kv_cache.shape[1], batch.block_table, context)
         return k_idx, v_idx, kv_cache.shape[1]
 
     def main_kv(

@@ -49,7 +49,6 @@ class TreeStep:
 
 
 _step: TreeStep | None = None
-_layouts: dict[tuple, PagedKVLayout] = {}
 
 
 def set_tree_step(step: TreeStep | None) -> None:
@@ -119,33 +118,24 @@ def tree_attention_problem(impl) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
-def _layout(kv_cache: Tensor, isa: str) -> PagedKVLayout:
-    """The cache layout of this shape and ISA, probed once per process."""
-    _, heads, block_size, two_d = kv_cache.shape
-    key = (heads, block_size, two_d // 2, kv_cache.dtype, isa)
-    if key not in _layouts:
-        _layouts[key] = PagedKVLayout.probe(heads, block_size, two_d // 2, kv_cache.dtype, isa)
-    return _layouts[key]
-
-
 #: The prefix indices of the current step, shared by every layer (one cache shape and layout).
 _prefix_indices: dict[tuple, tuple[Tensor, Tensor]] = {}
 _prefix_step: list[TreeStep | None] = [None]
 
 
 def _prefix_index(
-    step: TreeStep, layout: PagedKVLayout, block_row: Tensor, length: int, shape
+    step: TreeStep, layout: PagedKVLayout, block_table: Tensor, r: int, length: int, shape
 ) -> tuple[Tensor, Tensor]:
-    """Flat cache indices of positions ``0..length-1`` of one request, computed once per
+    """Flat cache indices of positions ``0..length-1`` of request ``r``, computed once per
     step: the first layer builds them, the others reuse them."""
     if _prefix_step[0] is not step:
         _prefix_indices.clear()
         _prefix_step[0] = step
-    key = (int(block_row.data_ptr()), length, tuple(shape))
+    key = (r, length, tuple(shape))
     if key not in _prefix_indices:
-        pos = torch.arange(length)
-        blocks = block_row.long()[pos // layout.block_size]
-        _prefix_indices[key] = layout.flat_indices(shape[1], blocks, pos % layout.block_size)
+        _prefix_indices[key] = layout.position_indices(
+            shape[1], block_table[r], torch.arange(length)
+        )
     return _prefix_indices[key]
 
 
@@ -168,7 +158,7 @@ def redo_tree_rows(
     out = output.view(output.shape[0], impl.num_heads, impl.head_size)
     qsl = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    layout = _layout(kv_cache, layer.isa)
+    layout = PagedKVLayout.of_cache(kv_cache, layer.isa)
     for tree in step.requests:
         r = tree.req_index
         start, end = qsl[r], qsl[r + 1]
@@ -178,7 +168,7 @@ def redo_tree_rows(
         c = seq_lens[r] - (end - start)  # tokens cached before this step
         # Layers sharing another layer's cache get no key/value: read the step from the cache.
         last = c if key is not None and value is not None else c + 1 + n
-        k_idx, v_idx = _prefix_index(step, layout, metadata.block_table[r], last, kv_cache.shape)
+        k_idx, v_idx = _prefix_index(step, layout, metadata.block_table, r, last, kv_cache.shape)
         k_cached, v_cached = torch.take(kv_cache, k_idx), torch.take(kv_cache, v_idx)
         if last == c:
             k_step, v_step = key[start : start + 1 + n], value[start : start + 1 + n]
