@@ -2,7 +2,9 @@
 method (speedup at batch 1, call reduction, task metric, extra parameters), beside the
 paper's OPT-1.3b call reductions, as Markdown and a plot.
 
-Reads, per task, ``benchmarks/results/<task>/bench.json`` (``specstream bench``) and the
+Reads, per task, the ``bench.json`` of one ``specstream bench`` run under
+``benchmarks/results/<task>/`` (:attr:`Task.bench`: the run with the engine on both cores
+where there is one) and the
 ``eval-<model>.json`` files beside it (``specstream eval`` on the same validation split):
 ``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
 ``eval-ntp.json`` (the next-token LoRA baseline's metric). Missing files give missing rows.
@@ -31,12 +33,26 @@ class Task:
     """Keys of the eval JSON, in the order shown."""
     paper_cr: float
     """The paper's call reduction for OPT-1.3b with tree drafts (its Table 1)."""
+    bench: str = "bench.json"
+    """The bench run of the table, relative to the task's results directory."""
 
 
 TASKS = (
-    Task("sql", "SQL (Spider, unseen database)", ("exact_match",), 3.57),
-    Task("e2e", "E2E NLG (unseen MRs)", ("rouge1", "rougeLsum"), 3.72),
-    Task("dialogsum", "DialogSum (unseen dialogues)", ("rouge1", "rougeLsum"), 2.62),
+    Task("sql", "SQL (Spider, unseen database)", ("exact_match",), 3.57, "nobind/bench.json"),
+    Task(
+        "e2e",
+        "E2E NLG (unseen MRs)",
+        ("rouge1", "rougeLsum"),
+        3.72,
+        "nobind-trees-medusa/bench.json",
+    ),
+    Task(
+        "dialogsum",
+        "DialogSum (unseen dialogues)",
+        ("rouge1", "rougeLsum"),
+        2.62,
+        "nobind/bench.json",
+    ),
 )
 #: Methods of ``specstream bench``, in the order of the table (``plain-control``: a second
 #: plain engine, the run's noise floor).
@@ -63,7 +79,9 @@ def _row(task: Task, method: str, metric: str = "-", **measured) -> dict:
 
 def task_rows(task: Task, results: Path) -> list[dict]:
     """The table's rows for ``task``: vLLM methods at batch 1, then the reference decoder."""
-    bench = _read(results / task.name / "bench.json")
+    bench = _read(results / task.name / task.bench)
+    if bench is None:  # an earlier run in the task's directory itself
+        bench = _read(results / task.name / "bench.json")
     spec_eval = _read(results / task.name / "eval-specstream.json")
     ntp_eval = _read(results / task.name / "eval-ntp.json")
     by_method = {

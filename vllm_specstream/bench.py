@@ -36,7 +36,8 @@ logger = init_logger(__name__)
 
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
 #: off): the row that shows where speculation stops paying. ``specstream-tree`` drafts trees
-#: (``tree_top_k`` candidates per stream, ``tree_nodes`` nodes) verified inside vLLM.
+#: (``tree_top_k`` candidates per stream, ``tree_nodes`` nodes) verified inside vLLM, where the
+#: adaptive policy finds they pay; ``specstream-tree-fixed`` drafts them at every step.
 #: ``plain-control`` is a second plain engine: its "speedup" is the run's noise floor
 #: (engines differ by a few percent from one start to the next on small VMs).
 METHODS = (
@@ -48,7 +49,12 @@ METHODS = (
     "specstream",
     "specstream-fixed",
     "specstream-tree",
+    "specstream-tree-fixed",
 )
+#: Methods a bench runs only when named (``--methods``).
+ON_REQUEST = ("plain-control", "specstream-fixed", "specstream-tree", "specstream-tree-fixed")
+#: Methods that draft trees (``$SPECSTREAM_TREE_TOP_K`` set in their engine).
+TREE_METHODS = ("specstream-tree", "specstream-tree-fixed")
 
 #: Where ``make suffix-decoding`` installs arctic-inference's suffix tree (vLLM's ``suffix``
 #: method); put on the engines' ``PYTHONPATH`` when present.
@@ -117,9 +123,9 @@ class BenchConfig:
     specstream_options: dict = field(default_factory=dict)
     """Extra ``speculative_config`` fields for the specstream method."""
     tree_top_k: str = "2"
-    """``$SPECSTREAM_TREE_TOP_K`` of the ``specstream-tree`` method."""
+    """``$SPECSTREAM_TREE_TOP_K`` of the tree methods."""
     tree_nodes: int = 8
-    """Draft tree nodes (its ``num_speculative_tokens``) of the ``specstream-tree`` method."""
+    """Draft tree nodes (its ``num_speculative_tokens``) of the tree methods."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -204,6 +210,8 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
         return speculative_config(k, **{**cfg.specstream_options, "adaptive": False})
     if method == "specstream-tree":
         return speculative_config(cfg.tree_nodes, **cfg.specstream_options)
+    if method == "specstream-tree-fixed":
+        return speculative_config(cfg.tree_nodes, **{**cfg.specstream_options, "adaptive": False})
     raise ValueError(method)
 
 
@@ -381,8 +389,8 @@ def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
     from vllm_specstream.options import ENV_TREE_TOP_K
 
     env = dict(os.environ)
-    env.pop(ENV_TREE_TOP_K, None)  # trees are the specstream-tree method's only
-    if method == "specstream-tree":
+    env.pop(ENV_TREE_TOP_K, None)  # trees are the tree methods' only
+    if method in TREE_METHODS:
         env[ENV_TREE_TOP_K] = cfg.tree_top_k
     if "suffix" in cfg.methods and SUFFIX_DECODING_DIR.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(

@@ -291,7 +291,13 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from vllm_specstream.bench import METHODS, BenchConfig, has_suffix_decoding, run_bench
+    from vllm_specstream.bench import (
+        METHODS,
+        ON_REQUEST,
+        BenchConfig,
+        has_suffix_decoding,
+        run_bench,
+    )
 
     try:
         cfg = BenchConfig(
@@ -302,7 +308,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             else tuple(
                 m
                 for m in METHODS
-                if m not in ("specstream-fixed", "plain-control", "specstream-tree")
+                if m not in ON_REQUEST
                 and (args.medusa or m != "medusa")
                 and (has_suffix_decoding() or m != "suffix")
             ),
@@ -562,8 +568,9 @@ def _add_training_parsers(sub) -> None:
         "--methods",
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
         "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off),"
-        "specstream-tree (draft trees verified in vLLM: --tree-top-k, --tree-nodes) "
-        "(default: all but plain-control, specstream-fixed and specstream-tree; medusa only "
+        "specstream-tree (draft trees verified in vLLM where the adaptive policy finds they "
+        "pay: --tree-top-k, --tree-nodes),specstream-tree-fixed (trees at every step) "
+        "(default: all but plain-control, specstream-fixed and the tree methods; medusa only "
         "with --medusa, "
         "suffix only where arctic-inference is importable)",
     )

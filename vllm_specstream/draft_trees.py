@@ -263,6 +263,48 @@ def tree_accept_greedy(
     return TreeAcceptance(path, on_path.sum(-1), bonus)
 
 
+def tree_accept_sampled(
+    parents: TreeTemplate | Sequence[int],
+    tokens: Sequence[int],
+    target_probs: Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[tuple[int, ...], int]:
+    """Speculative sampling over a tree of drafted tokens: ``(accepted nodes, bonus token)``,
+    distributed exactly as sampling the target token by token.
+
+    ``target_probs`` ``[n + 1, V]``: the target's distribution at ``[root, node 0, ...]``
+    (temperature, top-k and top-p applied). The drafts are tokens, not distributions (each
+    stream's top-k), so at a node its children are tried in node order with the residual
+    rule of multi-candidate speculative sampling for one-hot drafts: child token ``c`` is
+    accepted with probability ``r(c)``, where ``r`` starts as the node's target distribution;
+    a rejected child's token gets ``r(c) = 0`` and ``r`` is renormalised. An accepted child
+    becomes the current node; where every child is rejected (or the node is a leaf) the
+    bonus token is drawn from ``r``. Each output token is then drawn from the target's
+    distribution given the tokens before it: P(c_i first accepted) = r_i(c_i) prod (1 -
+    r_j(c_j)) = p(c_i), and the bonus draw covers the remaining mass.
+    """
+    par = parents.parents if isinstance(parents, TreeTemplate) else tuple(int(p) for p in parents)
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(par):
+        children.setdefault(parent, []).append(node)
+    path: list[int] = []
+    node = -1
+    while True:
+        residual = target_probs[node + 1].to(torch.float64).clone()
+        for child in children.get(node, ()):
+            token = int(tokens[child])
+            mass = float(residual.sum())
+            u = float(torch.rand((), dtype=torch.float64, generator=generator))
+            if mass > 0 and u * mass < float(residual[token]):
+                path.append(child)
+                node = child
+                break
+            residual[token] = 0.0
+        else:
+            bonus = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+            return tuple(path), int(bonus)
+
+
 def accepted_path_compaction(path: Tensor, row_start: int | Tensor = 0, offset: int = 1) -> Tensor:
     """``[M, 2]`` (src, dst) rows that copy the accepted nodes' KV right after the root.
 

@@ -15,6 +15,11 @@ task, the prompts). The default policy weighs all three every step:
 * it drafts the ``k`` of highest expected speedup ``E[tokens | k] / cost(batch, k)``, or
   nothing where no ``k`` beats a plain step by ``margin``.
 
+In a tree engine the draft tree is one more choice, ``k = tree_nodes``: its tokens come from
+:class:`TreeStats` (what tree steps accepted, a full chain's estimate before), its cost from
+the tree steps this engine timed (a few probes measure it where the table's extrapolation
+says it does not pay), so trees run only where they beat the best chain on this CPU.
+
 A user's batch-size schedule in vLLM's own format (``num_speculative_tokens_per_batch_size``,
 read with vLLM's validator in :mod:`vllm_specstream.vllm_schedule`) replaces the cost model.
 The confidence rule (``$SPECSTREAM_DRAFT_MIN_PROB``, off by default) then cuts each
@@ -99,6 +104,39 @@ class AcceptanceStats:
         return tokens_per_step(self.accept_rates(), k)
 
 
+@dataclass
+class TreeStats:
+    """Running estimate of the drafts a tree step accepts per tree row.
+
+    Before evidence a tree counts as ``prior_gain`` times the accepted drafts of a full
+    chain; the accepted path lengths of tree rows then take over (decayed counts).
+    """
+
+    decay: float = 0.98
+    """Per tree step (a window of ~50 of them)."""
+    prior_gain: float = 1.45
+    """Accepted drafts of the tree over the full chain's: the reference decoder on the
+    three real-task adapters with the top-2, 8-node template (SQL 1.46, E2E 1.50,
+    DialogSum 1.49; ``benchmarks/results/*/eval-specstream.json``)."""
+    prior_weight: float = 4.0
+    """The prior counts as this many tree rows."""
+    rows: float = field(default=0.0, init=False)
+    accepted: float = field(default=0.0, init=False)
+
+    def record(self, accepted_drafts: Sequence[int]) -> None:
+        """One tree step: the drafts each tree row kept (its path length)."""
+        if len(accepted_drafts) == 0:
+            return
+        self.rows = self.rows * self.decay + len(accepted_drafts)
+        self.accepted = self.accepted * self.decay + float(sum(accepted_drafts))
+
+    def expected_tokens(self, chain_tokens: float) -> float:
+        """Tokens a tree step yields per request, when a full chain would yield
+        ``chain_tokens`` (bonus token included in both)."""
+        prior = self.prior_gain * max(chain_tokens - 1.0, 0.0)
+        return 1.0 + (self.accepted + self.prior_weight * prior) / (self.rows + self.prior_weight)
+
+
 def tokens_per_step(rates: np.ndarray, k: int) -> float:
     """Tokens a step with ``k`` drafts yields per request, the bonus token included, when
     draft ``j`` is accepted with probability ``rates[j - 1]``."""
@@ -125,6 +163,10 @@ class MeasuredCost:
     """
 
     table: StepCostTable
+    direct: frozenset[int] = frozenset()
+    """Draft lengths whose steps are of another kind than the table's (a tree's node
+    count): once timed, their own ratio to a plain step is used, and they stay out of the
+    correction of the others."""
     window: int = 32
     """Step times kept per (bucket, draft length): medians follow the recent traffic."""
     min_samples: int = 6
@@ -150,13 +192,25 @@ class MeasuredCost:
         factors = [
             t / plain / self.table.ratio(bucket, k)
             for (b, k) in self.times
-            if b == bucket and k > 0 and (t := self._median(bucket, k)) is not None
+            if b == bucket
+            and k > 0
+            and k not in self.direct
+            and (t := self._median(bucket, k)) is not None
         ]
         return float(np.median(factors)) if factors else 1.0
+
+    def measured_ratio(self, batch_size: int, k: int) -> float | None:
+        """Median step time with ``k`` drafts over a plain step's at this batch size's
+        bucket (None before enough of both)."""
+        bucket = batch_bucket(batch_size)
+        plain, t = self._median(bucket, 0), self._median(bucket, k)
+        return None if plain is None or t is None else t / plain
 
     def ratio(self, batch_size: int, k: int) -> float:
         if k <= 0:
             return 1.0
+        if k in self.direct and (own := self.measured_ratio(batch_size, k)) is not None:
+            return own
         return self.table.ratio(batch_size, k) * self.correction(batch_size)
 
     def needs_plain_steps(self, batch_size: int) -> bool:
@@ -247,11 +301,19 @@ class DraftPolicy:
     and a request's prefill runs the streams at its last token. On Spider at batch 1 (AVX2)
     a 3% margin ran at 0.85x plain, this one at 0.95x (``benchmarks/README.md``)."""
     probe_every: int = 64
+    tree_nodes: int = 0
+    """Nodes of the engine's draft tree (0: chains only); drafting the tree is the choice
+    ``k = tree_nodes`` (more than ``k_max``)."""
+    tree_stats: TreeStats = field(default_factory=TreeStats)
+    tree_probe_every: int = 16
+    """While a tree step's cost at this batch size is not yet timed, one drafting step in
+    this many drafts the tree (it costs at most a few tenths of a step each)."""
     calibrate_every: int = 16
     """While the batch's bucket has drafting step times but too few plain ones to compare
     (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing."""
     idle_steps: int = field(default=0, init=False)
     drafting_steps: int = field(default=0, init=False)
+    chain_steps: int = field(default=0, init=False)
     decisions: dict[int, int] = field(default_factory=dict, init=False)
     """How many steps got each draft length (for :meth:`summary`)."""
 
@@ -259,14 +321,19 @@ class DraftPolicy:
         """One line: the draft lengths chosen so far, the acceptance estimate, and the cost
         ratios the policy now uses at ``batch_size`` (for debug logs)."""
         rates = " ".join(f"{r:.2f}" for r in self.stats.accept_rates())
-        costs = " ".join(f"{self.cost.ratio(batch_size, k):.2f}" for k in range(1, self.k_max + 1))
+        costs = " ".join(f"{self.cost.ratio(batch_size, k):.2f}" for k in self.lengths())
         chosen = " ".join(f"k{k}:{n}" for k, n in sorted(self.decisions.items()))
         line = (
             f"steps by draft length {chosen}; P(accept) {rates}; cost at batch {batch_size} {costs}"
         )
+        if self.tree_nodes:
+            line += (
+                f" (k{self.tree_nodes}: the tree, "
+                f"{self.expected_tokens(self.tree_nodes):.2f} tokens per step expected)"
+            )
         if isinstance(self.cost, MeasuredCost):
             bucket = batch_bucket(batch_size)
-            medians = {k: m for k in range(self.k_max + 1) if (m := self.cost._median(bucket, k))}
+            medians = {k: m for k in [0, *self.lengths()] if (m := self.cost._median(bucket, k))}
             measured = " ".join(f"k{k}:{1e3 * m:.1f}" for k, m in medians.items())
             line += (
                 f" (table x {self.cost.correction(batch_size):.2f} from measured steps; "
@@ -274,16 +341,26 @@ class DraftPolicy:
             )
         return line
 
-    def expected_speedup(self, batch_size: int, k: int, rates: np.ndarray | None = None) -> float:
+    def expected_tokens(self, k: int, rates: np.ndarray | None = None) -> float:
+        """Tokens per request of a step with ``k`` drafts (``tree_nodes``: the tree)."""
         rates = self.stats.accept_rates() if rates is None else rates
-        return tokens_per_step(rates, k) / self.cost.ratio(batch_size, k)
+        if self.tree_nodes and k == self.tree_nodes:
+            return self.tree_stats.expected_tokens(tokens_per_step(rates, self.k_max))
+        return tokens_per_step(rates, k)
+
+    def expected_speedup(self, batch_size: int, k: int, rates: np.ndarray | None = None) -> float:
+        return self.expected_tokens(k, rates) / self.cost.ratio(batch_size, k)
+
+    def lengths(self) -> list[int]:
+        """The choices that draft: chains of ``1..k_max`` and the tree if there is one."""
+        return list(range(1, self.k_max + 1)) + ([self.tree_nodes] if self.tree_nodes else [])
 
     def best_length(self, batch_size: int, rates: np.ndarray | None = None) -> int:
         """The ``k`` of highest expected speedup under ``rates`` (default: the estimate);
         0 unless it beats a plain step by ``margin``."""
         rates = self.stats.accept_rates() if rates is None else rates
         best_k, best = 0, 1.0 + self.margin
-        for k in range(1, self.k_max + 1):
+        for k in self.lengths():
             speedup = self.expected_speedup(batch_size, k, rates)
             if speedup > best:
                 best_k, best = k, speedup
@@ -302,6 +379,10 @@ class DraftPolicy:
                 self.drafting_steps += 1
                 if self.drafting_steps % self.calibrate_every == 0:
                     return 0  # a calibration step: a plain step's time at this batch size
+            if self._tree_untimed(batch_size) and k != self.tree_nodes:
+                self.chain_steps += 1
+                if self.chain_steps % self.tree_probe_every == 0:
+                    return self.tree_nodes  # a tree probe: a tree step's time at this size
             return k
         prior_k = self.best_length(batch_size, self.stats.prior_rates())
         if prior_k == 0:
@@ -312,6 +393,15 @@ class DraftPolicy:
         self.idle_steps = 0
         self.stats.forget(0.5)
         return prior_k
+
+    def _tree_untimed(self, batch_size: int) -> bool:
+        """Whether the tree's step cost at this batch size is still the table's guess."""
+        return (
+            bool(self.tree_nodes)
+            and isinstance(self.cost, MeasuredCost)
+            and self.tree_nodes in self.cost.direct
+            and self.cost.measured_ratio(batch_size, self.tree_nodes) is None
+        )
 
 
 def lookup_length(lookup: Sequence[int], batch_size: int) -> int:

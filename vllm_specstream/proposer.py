@@ -146,6 +146,8 @@ class SpecStreamProposer:
         self.tree = None
         #: Why requests drafted chains in a tree engine, each said once.
         self._chain_reasons: set[str] = set()
+        #: Batch rows that got a tree in this call (the chain estimate leaves them out).
+        self._tree_rows: set[int] = set()
 
     def load_model(self, target_model) -> None:
         # Stored as `target`, not `model`: vLLM probes `drafter.model` in some paths.
@@ -159,12 +161,19 @@ class SpecStreamProposer:
         self.target = target_model
         self.tree = getattr(target_model, "tree", None)
         if self.tree is not None and self.policy is not None:
-            # The policy sizes the chain; a full chain's step drafts the whole tree.
+            # Chains of up to num_streams drafts, or the whole tree (k = its node count).
             chain = min(self.k, self.tree.num_streams)
-            self.policy = DraftPolicy(chain, None, AcceptanceStats(chain))
+            branches = self.tree.num_nodes > chain
+            self.policy = DraftPolicy(
+                chain,
+                None,
+                AcceptanceStats(chain),
+                tree_nodes=self.tree.num_nodes if branches else 0,
+            )
         if self.policy is not None and self.policy.cost is None:
             table, note = table_for(placement)
-            self.policy.cost = MeasuredCost(table)
+            tree = {self.policy.tree_nodes} - {0}
+            self.policy.cost = MeasuredCost(table, direct=frozenset(tree))
             logger.info(
                 "specstream drafts up to %d per request, as many as pay on this CPU (placement "
                 "%s, step cost table: %s%s; set num_speculative_tokens_per_batch_size to fix "
@@ -185,8 +194,10 @@ class SpecStreamProposer:
         self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
     ):
         stash = self.target.take_stash()
+        self._tree_rows = set()
         if self.policy is not None:
-            self.policy.stats.record_verified(sampled_token_ids)
+            chain_sampled = self._record_tree_rows(sampled_token_ids)
+            self.policy.stats.record_verified(chain_sampled)
             self.step_timer.record(
                 self.policy.cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
             )
@@ -194,7 +205,8 @@ class SpecStreamProposer:
         self.calls += 1
         if self.policy is not None and self.calls % SUMMARY_EVERY == 0:
             logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
-        self.target.window_streams = k  # the next forward's window streams (if placed there)
+        # The next forward's window streams (if placed there).
+        self.target.window_streams = k if self.tree is None else min(k, self.tree.num_streams)
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
         else:
@@ -204,9 +216,25 @@ class SpecStreamProposer:
             expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
             self.watch.step(expected, any(drafts), why_none)
         if self.policy is not None:
-            self.policy.stats.record_proposed(drafts)
+            trees = self._tree_rows
+            self.policy.stats.record_proposed(
+                [[] if r in trees else d for r, d in enumerate(drafts)] if trees else drafts
+            )
+            # A step's time is filed under the tree's node count only if it verified trees.
+            if self.tree is not None and k > self.tree.num_streams and not trees:
+                k = self.tree.num_streams
             self.step_timer.proposed(k if any(drafts) else 0, k)
         return drafts
+
+    def _record_tree_rows(self, sampled_token_ids):
+        """Files the path lengths of the step's tree rows with the policy's tree estimate;
+        returns ``sampled_token_ids`` with those rows empty (for the chain estimate)."""
+        step = WORKER_TREES.step if self.tree is not None else None
+        rows = {t.row for t in step.rows if t.row < len(sampled_token_ids)} if step else set()
+        if not rows:
+            return sampled_token_ids
+        self.policy.tree_stats.record([max(len(sampled_token_ids[r]) - 1, 0) for r in rows])
+        return [[] if r in rows else s for r, s in enumerate(sampled_token_ids)]
 
     def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         """This step's drafts from ``stash``, and why there are none when there are none."""
@@ -255,14 +283,20 @@ class SpecStreamProposer:
     def _tree_drafts(self, stash, k, rows, indices, num_rows):
         """Drafts of a tree engine: a request's last accepted token is the deepest accepted
         node of its tree, wherever the tree put it; eligible requests get the tree when the
-        policy drafts a full chain, the others (and shorter budgets) a chain. The trees are
-        filed for the next step's verification."""
+        policy chose it (``k`` = its node count; with a fixed schedule: a full chain's
+        budget), the others a chain. The trees are filed for the next step's verification."""
         self.target.draft_at(stash, rows, indices, 0)
-        chains = drafts_at(num_rows, rows, indices, stash.draft_table, k)
+        chains = drafts_at(
+            num_rows, rows, indices, stash.draft_table, min(k, self.tree.num_streams)
+        )
         runner = WORKER_TREES.runner()
         req_ids = list(runner.input_batch.req_ids[:num_rows]) if runner is not None else []
         parents: list[tuple[int, ...] | None] = [None] * num_rows
-        full = k >= self.tree.num_streams and len(req_ids) == num_rows
+        if self.policy is not None:
+            tree = bool(self.policy.tree_nodes) and k == self.policy.tree_nodes
+        else:
+            tree = k >= self.tree.num_streams
+        full = tree and len(req_ids) == num_rows
         for r, idx in zip(rows, indices) if full else ():
             why = tree_problem(runner.requests[req_ids[r]].sampling_params)
             if why is not None:
@@ -272,6 +306,7 @@ class SpecStreamProposer:
                 continue
             chains[r] = fill_tree(self.tree, stash.draft_topk[idx]).tolist()
             parents[r] = self.tree.parents
+            self._tree_rows.add(r)
         WORKER_TREES.book.file(req_ids, chains, parents)
         return chains, "the streams left no draft at any request's anchor"
 

@@ -204,3 +204,8 @@ def test_trees_are_the_tree_methods_only(dirs, monkeypatch):
     assert engine_env(cfg, "specstream-tree")["SPECSTREAM_TREE_TOP_K"] == "2,2,1,1"
     assert speculative_config_for("specstream-tree", cfg)["num_speculative_tokens"] == 6
     assert extra_params("specstream-tree", cfg) == 32
+    # the fixed variant: the same trees, the adaptive policy off (a schedule of 6 drafts)
+    fixed = speculative_config_for("specstream-tree-fixed", cfg)
+    assert engine_env(cfg, "specstream-tree-fixed")["SPECSTREAM_TREE_TOP_K"] == "2,2,1,1"
+    assert fixed["num_speculative_tokens"] == 6
+    assert fixed != speculative_config_for("specstream-tree", cfg)

@@ -19,6 +19,7 @@ from vllm_specstream.decode_math import (
     prune_tree,
     tree_accept,
     tree_accept_greedy,
+    tree_accept_sampled,
     tree_attention_mask,
     tree_depths,
     tree_positions,
@@ -346,3 +347,55 @@ def test_prune_and_compact_match_reference_loop(seed):
         assert tokens[compact.index[b, :m]].tolist() == list(want.tokens[1:])
         assert compact.parents[b, :m].tolist() == [p - 1 for p in want.parents[1:]]
         assert (compact.parents[b, :m] < torch.arange(m)).all()  # every prefix a tree
+
+
+#: A root with children 0 and 2; node 0 with children 1 and 4; node 1 with child 3.
+SAMPLED_PARENTS = (-1, 0, -1, 1, 0)
+SAMPLED_TOKENS = (1, 2, 2, 3, 4)
+
+
+def _sampled_probs(vocab: int = 6) -> torch.Tensor:
+    """Target distributions at [root, node 0..4] that put real mass on the drafts."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(len(SAMPLED_PARENTS) + 1, vocab, generator=g) + 0.2
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def test_tree_sampling_follows_the_target_distribution():
+    """Sampled through the tree, each output token is distributed as the target's at its
+    context: the first as the root's; after node 0's token as node 0's row; after node 0
+    and node 1 as node 1's row (20000 draws with a fixed seed, every cell within 5 sigma)."""
+    probs = _sampled_probs()
+    g = torch.Generator().manual_seed(1)
+    n = 20000
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(n):
+        path, bonus = tree_accept_sampled(SAMPLED_PARENTS, SAMPLED_TOKENS, probs, g)
+        out = tuple(SAMPLED_TOKENS[i] for i in path) + (bonus,)
+        for m in range(1, len(out) + 1):
+            counts[out[:m]] = counts.get(out[:m], 0) + 1
+
+    def check(prefix: tuple[int, ...], row: int) -> None:
+        total = counts[prefix] if prefix else n
+        for token in range(probs.shape[1]):
+            want = float(probs[row, token])
+            got = counts.get(prefix + (token,), 0) / total
+            assert abs(got - want) < 5 * math.sqrt(want * (1 - want) / total), (prefix, token)
+
+    check((), 0)  # first token: the root's distribution
+    check((1,), 1)  # after node 0's token: node 0's row (its children 1 and 4 tried)
+    check((2,), 3)  # after node 2's token (a leaf): node 2's row, the bonus
+    check((1, 2), 2)  # after nodes 0 and 1: node 1's row
+    # Tokens after a prefix the tree does not hold come from the next step, not here.
+    assert (0, 0) not in counts
+
+
+def test_tree_sampling_at_the_greedy_limit_is_greedy_acceptance():
+    for target in ([1, 2, 3, 5, 0, 0], [1, 4, 0, 0, 0, 5], [2, 0, 0, 1, 0, 0], [0] * 6):
+        probs = torch.nn.functional.one_hot(torch.tensor(target), 6).double()
+        path, bonus = tree_accept_sampled(SAMPLED_PARENTS, SAMPLED_TOKENS, probs)
+        greedy = tree_accept_greedy(
+            SAMPLED_PARENTS, torch.tensor(SAMPLED_TOKENS), torch.tensor(target)
+        )
+        m = int(greedy.num_accepted)
+        assert (path, bonus) == (tuple(greedy.path[:m].tolist()), int(greedy.bonus_token))

@@ -23,6 +23,7 @@ from vllm_specstream.policy import (
     DraftPolicy,
     MeasuredCost,
     StepTimer,
+    TreeStats,
     batch_bucket,
     confident_drafts,
     lookup_length,
@@ -326,3 +327,119 @@ def test_step_timer_files_only_decode_steps_of_one_batch():
         (2, 2): [pytest.approx(0.1), pytest.approx(0.2)],
         (2, 0): [pytest.approx(0.05)],
     }
+
+
+def test_tree_estimate_starts_at_the_chains_and_follows_tree_rows():
+    tree = TreeStats(decay=1.0, prior_gain=1.5, prior_weight=4.0)
+    assert tree.expected_tokens(2.0) == pytest.approx(2.5)  # 1 + 1.5 x 1 accepted draft
+    tree.record([])  # a step without tree rows changes nothing
+    assert tree.expected_tokens(2.0) == pytest.approx(2.5)
+    tree.record([3, 3, 3, 3] * 25)  # 100 tree rows keeping 3 drafts each
+    assert tree.expected_tokens(2.0) == pytest.approx(1 + (300 + 6) / 104)
+
+
+def _tree_policy(tree_s: float, chain_s: float = 0.07, tree_kept: int = 3, **kw) -> DraftPolicy:
+    """k_max 4 and an 8-node tree; plain steps 0.05 s, chains of 4 ``chain_s``, the tree
+    ``tree_s``; chains accept 30/10/3/1 in 100, trees keep ``tree_kept`` drafts."""
+    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
+    stats.proposed[:] = 100
+    stats.accepted[:] = [60, 40, 20, 10]  # 2.3 tokens per step with k = 4
+    cost = MeasuredCost(TABLE, direct=frozenset({8}), min_samples=4)
+    for _ in range(4):
+        cost.record(1, 0, 0.05)
+        cost.record(1, 4, chain_s)
+        if tree_s:
+            cost.record(1, 8, tree_s)
+    policy = DraftPolicy(4, cost, stats, tree_nodes=8, **kw)
+    policy.tree_stats.record([tree_kept] * 100)
+    return policy
+
+
+def test_policy_drafts_the_tree_only_where_its_measured_steps_pay():
+    # Chains: 2.3 tokens for 1.4 plain steps (1.64x). Tree: 4 tokens for 2 steps (2.0x).
+    cheap = _tree_policy(tree_s=0.10)
+    assert cheap.cost.ratio(1, 8) == pytest.approx(2.0)  # its own time, not the table's
+    assert cheap.cost.correction(1) == pytest.approx(1.4 / 1.3)  # chains alone correct it
+    assert cheap.best_length(1) == 8
+    # The same tree at 3.2 plain steps (as measured on an AVX2 CPU): 1.25x, chains win.
+    assert _tree_policy(tree_s=0.16).best_length(1) == 4
+    # A tree that keeps no more than the chain does not pay for its extra rows.
+    assert _tree_policy(tree_s=0.10, tree_kept=1).best_length(1) == 4
+    assert "k8: the tree" in cheap.summary(1)
+
+
+def test_policy_probes_the_tree_until_its_step_is_timed():
+    # Untimed, the tree costs the table's extrapolation (2 x 1.3 x 1.4/1.3 = 2.8 plain
+    # steps: 1.43x); chains win, and one chain step in four drafts the tree to time it.
+    policy = _tree_policy(tree_s=0, tree_probe_every=4)
+    assert policy.best_length(1) == 4
+    lengths = [policy.draft_length(1) for _ in range(8)]
+    assert lengths == [4, 4, 4, 8] * 2
+    for _ in range(4):
+        policy.cost.record(1, 8, 0.16)  # timed: 3.2 plain steps, no more probes
+    assert [policy.draft_length(1) for _ in range(8)] == [4] * 8
+    # An engine without a tree never drafts one.
+    chains = _tree_policy(tree_s=0, tree_probe_every=1)
+    chains.tree_nodes = 0
+    assert set(chains.draft_length(1) for _ in range(8)) == {4}
+
+
+def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch):
+    """The proposer of a tree engine: the tree where the policy chooses it, chains
+    otherwise; tree rows' path lengths feed the tree estimate, not the chain one."""
+    import weakref
+
+    from vllm import SamplingParams
+
+    from vllm_specstream.draft_trees import tree_template
+    from vllm_specstream.model_executor.tree_step import WORKER_TREES, RowTree, StepTrees
+
+    tree = tree_template(4, 2, max_nodes=8)
+    topk = torch.tensor([[11, 21], [12, 22], [13, 23], [14, 24]])
+
+    class TreeTarget(_Target):
+        def __init__(self, n):
+            super().__init__(n)
+            self.tree = tree
+            self.stash.draft_topk = topk.expand(n, 4, 2)
+
+    class Runner:  # the rows' request ids and sampling parameters
+        input_batch = SimpleNamespace(req_ids=["a", "b"])
+        requests = {
+            "a": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0)),
+            "b": SimpleNamespace(sampling_params=SamplingParams(temperature=0.0, logprobs=0)),
+        }
+
+    runner = Runner()
+    monkeypatch.setattr(WORKER_TREES, "_runner", weakref.ref(runner))
+    monkeypatch.setattr(WORKER_TREES, "step", None)
+    proposer = SpecStreamProposer(_vllm_config(8))
+    proposer.load_model(TreeTarget(2))
+    assert (proposer.policy.k_max, proposer.policy.tree_nodes) == (4, 8)
+    assert proposer.policy.cost.direct == {8}
+    proposer.policy.cost = TABLE  # the tree: 2.6 plain steps, chains of 4 1.3
+
+    def propose(sampled):
+        proposer.target.stash = TreeTarget(2).stash
+        return proposer.propose(sampled, np.full(2, 7), None)
+
+    # The prior: chains 2.77 tokens / 1.3, the tree 3.57 / 2.6: chains, no tree filed.
+    assert propose([[1], [1]]) == [[11, 12, 13, 14]] * 2
+    assert WORKER_TREES.book.take() == {}
+    # vLLM kept none of those drafts, and trees are seen to keep 4: now the tree pays.
+    proposer.policy.tree_stats.record([4] * 100)
+    drafts = propose([[1], [1]])
+    assert drafts[0] == [11, 12, 13, 14, 21, 22, 12, 22]  # fill_tree: the chain first
+    assert drafts[1] == [11, 12, 13, 14]  # logprobs: a chain beside the tree
+    assert proposer._tree_rows == {0} and list(WORKER_TREES.book.take()) == ["a"]
+    # The next call reads what the step kept: the tree row its path, the chain row its
+    # drafts; only the chain row's drafts enter the chain estimate.
+    monkeypatch.setattr(WORKER_TREES, "step", StepTrees((RowTree(0, tree.parents, 6),)))
+    rows_before = proposer.policy.tree_stats.rows
+    stats = proposer.policy.stats
+    proposed_before, accepted_before = stats.proposed.copy(), stats.accepted.copy()
+    propose([[1, 2, 3, 4], [1, 2]])
+    assert proposer.policy.tree_stats.rows == pytest.approx(rows_before * 0.98 + 1)
+    assert proposer.policy.tree_stats.accepted == pytest.approx(400 * 0.98 + 3)
+    assert (stats.proposed - proposed_before * 0.98).tolist() == pytest.approx([1, 1, 1, 1])
+    assert (stats.accepted - accepted_before * 0.98).tolist() == pytest.approx([1, 0, 0, 0])

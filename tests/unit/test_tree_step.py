@@ -102,13 +102,16 @@ def _params(**kw):
         logit_bias=None,
         allowed_token_ids=None,
         structured_outputs=None,
+        min_p=0.0,
     )
     return SimpleNamespace(**{**base, **kw})
 
 
 def test_tree_problem_names_what_reads_drafts_as_a_chain():
     assert tree_problem(_params()) is None
-    assert "temperature" in tree_problem(_params(temperature=0.7))
+    assert tree_problem(_params(temperature=0.7)) is None  # speculative tree sampling
+    assert tree_problem(_params(temperature=0.7, min_p=0.1)) == "min_p"
+    assert tree_problem(_params(min_p=0.1)) is None  # greedy: min-p changes nothing
     assert tree_problem(_params(repetition_penalty=1.1)) == "penalties"
     assert tree_problem(_params(logprobs=0)) == "logprobs"
     assert tree_problem(_params(min_tokens=3)) == "min_tokens"
@@ -142,3 +145,22 @@ def test_tree_options_and_template_size():
     )
     assert read_options(spec, {ENV_TREE_TOP_K: "2"}).trees
     assert not read_options(None, {ENV_TREE_TOP_K: "2"}).trees  # no speculation, no trees
+
+
+def test_tree_sampling_reads_the_distribution_vllms_sampler_forms():
+    from vllm_specstream.model_executor.tree_sampler import sampling_temperature, target_probs
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
+    metadata = SimpleNamespace(
+        all_greedy=False,
+        temperature=torch.tensor([0.0, 1.0, 0.5]),
+        top_k=torch.tensor([4, 4, 2]),
+        top_p=None,
+    )
+    assert sampling_temperature(metadata, 0) == 0.0  # greedy row: argmax acceptance
+    assert sampling_temperature(SimpleNamespace(all_greedy=True), 2) == 0.0
+    assert torch.allclose(target_probs(logits, metadata, 1), logits.softmax(-1))
+    # temperature 0.5, then top-2: the two likeliest tokens at logits 4 and 2
+    want = torch.tensor([4.0, 2.0]).softmax(-1)
+    got = target_probs(logits, metadata, 2)
+    assert torch.allclose(got[:, :2], want.expand(3, 2)) and not got[:, 2:].any()

@@ -26,6 +26,10 @@ def _llm(
     from vllm_specstream import speculative_config
     from vllm_specstream.cpu_env import cpu_engine_kwargs
 
+    # A fixed KV cache (512 MiB: 11k tokens of the embedded model) instead of a share of
+    # RAM: quicker to allocate, and engines start whatever else holds memory.
+    if "gpu_memory_utilization" not in engine:
+        engine.setdefault("kv_cache_memory_bytes", 512 << 20)
     kw = cpu_engine_kwargs(**{"dtype": "float32", "max_model_len": 1024, **engine})
     if k:
         kw["speculative_config"] = speculative_config(
@@ -174,14 +178,27 @@ def fail_to_start(ckpt: str, k: int) -> None:
     _llm(ckpt, k, adaptive=True, max_model_len=512)
 
 
-def sample(ckpt: str, k: int, n: int) -> list[list[int]]:
-    """``n`` samples of 3 tokens at temperature 0.8 from one prompt."""
+def sample(ckpt: str, k: int, n: int, trees: bool = False) -> dict:
+    """``n`` samples of 3 tokens at temperature 0.8 from one prompt. With ``trees``, ``n``
+    more in the same batch that ask for logprobs (so they draft chains beside the trees:
+    ``"chain_tokens"``) and the worker's tree counters (needs
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
     from vllm import SamplingParams
 
     llm = _llm(ckpt, k, max_model_len=256)
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
-    outs = llm.generate(["The colour of the sky is"] * n, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    batch = [params] * n
+    if trees:
+        batch += [SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, logprobs=0)] * n
+    outs = llm.generate(["The colour of the sky is"] * len(batch), batch, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    result = {"tokens": tokens[:n]}
+    if trees:
+        from vllm_specstream.model_executor.tree_step import tree_stats
+
+        result["chain_tokens"] = tokens[n:]
+        result["trees"] = llm.apply_model(tree_stats)[0]
+    return result
 
 
 def plain_run(model: str, prompts: list[str], n: int) -> dict:

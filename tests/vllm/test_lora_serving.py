@@ -74,9 +74,11 @@ def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, t
     # requests in one batch: the streams must neither crash nor change an output.
     first = random_peft_adapter(tiny_merged, tmp_path / "a1")
     second = random_peft_adapter(tiny_merged, tmp_path / "a2", targets=("gate_proj", "up_proj"))
+    loras = [str(first), None, str(second), str(first), None]
+    # The last request is the first one's prompt without an adapter.
     requests = [
         {"prompt": p, "max_tokens": 24, "lora": lora}
-        for p, lora in zip(SPEC_PROMPTS, [str(first), None, str(second), str(first)])
+        for p, lora in zip([*SPEC_PROMPTS, SPEC_PROMPTS[0]], loras)
     ]
     engine = {"max_model_len": 512, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
     plain, _ = run_child("generate", ckpt=str(tiny_merged), k=0, engine=engine, requests=requests)
@@ -84,9 +86,7 @@ def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, t
     assert spec["tokens"] == plain["tokens"]
     assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0
     # the adapters are active: the same prompt with and without one decodes differently
-    base_only = [{**r, "lora": None} for r in requests]
-    base, _ = run_child("generate", ckpt=str(tiny_merged), k=0, engine=engine, requests=base_only)
-    assert base["tokens"][0] != plain["tokens"][0] and base["tokens"][1] == plain["tokens"][1]
+    assert plain["tokens"][0] != plain["tokens"][4]
 
 
 #: ``LLM.apply_model`` (the stash snapshot) sends a function to the engine process.
@@ -106,34 +106,40 @@ def _deployment(base, adapters) -> dict:
     }
 
 
-def test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment(tiny_adapters):
+def assert_drafts_are_the_merged_checkpoints(served: dict, merged) -> None:
+    """The streams' drafts in ``served`` (a ``lora_stash`` result) equal the training
+    implementation's on ``merged``, the adapter's merged checkpoint, at every anchor."""
+    from test_specstream_engine import _stash_rows_and_training_drafts
+
+    from vllm_specstream.training.checkpoint import load_merged
+
+    rows = list(_stash_rows_and_training_drafts(load_merged(merged), served))
+    assert rows, served["stash"]
+    for row, want in rows:
+        assert row == want
+
+
+def test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment(
+    tiny_adapters, plain_deployment_outputs
+):
     # One base served for two specstream adapters (adapter_deployment): a request's drafts
-    # come from its adapter's streams and LoRA, exactly as that adapter's merged checkpoint
-    # drafts; a request without an adapter drafts nothing (the base has no streams).
+    # come from its adapter's streams and LoRA, exactly as the training implementation
+    # drafts on that adapter's merged checkpoint; a request without an adapter drafts
+    # nothing (the base has no streams). Outputs are the deployment's without speculation.
     base, adapters = tiny_adapters
     engine = _deployment(base, adapters)
-    prompt = {"prompt": SPEC_PROMPTS[0], "max_tokens": 9}
-    requests = [{**prompt, "lora": str(a)} for a, _ in adapters] + [prompt]
+    mixed = _mixed_adapter_requests(adapters)[:3]  # adapter 1, none, adapter 2
+    requests = [{**r, "max_tokens": 9} for r in mixed]
     served = run_child(
         "lora_stash", ckpt=str(base), k=3, engine=engine, requests=requests, env=INSPECT
     )[0]
-    for (_, merged), got in zip(adapters, served):
-        want = run_child(
-            "lora_stash",
-            ckpt=str(merged),
-            k=3,
-            engine={"max_model_len": 512},
-            requests=[prompt],
-            env=INSPECT,
-        )[0][0]
-        assert got["tokens"] == want["tokens"]
-        assert got["stash"]["table"] == want["stash"]["table"]
-        assert any(t >= 0 for row in got["stash"]["table"] for t in row)
-    # the adapters are live (outputs differ from the base's), their drafts differ (their
-    # own streams), and the base request has none
-    assert served[0]["tokens"] != served[2]["tokens"] or served[1]["tokens"] != served[2]["tokens"]
-    assert served[0]["stash"]["table"] != served[1]["stash"]["table"]
-    assert all(t < 0 for row in served[2]["stash"]["table"] for t in row)
+    for got, want in zip(served, plain_deployment_outputs["tokens"]):
+        assert got["tokens"][0] == want[:9]
+    for (_, merged), got in zip(adapters, (served[0], served[2])):
+        assert_drafts_are_the_merged_checkpoints(got, merged)
+    # the adapters' drafts differ (their own streams), and the base request has none
+    assert served[0]["stash"]["table"] != served[2]["stash"]["table"]
+    assert all(t < 0 for row in served[1]["stash"]["table"] for t in row)
 
 
 def _mixed_adapter_requests(adapters) -> list[dict]:
@@ -179,24 +185,26 @@ def test_adapter_streams_under_tensor_parallelism_equal_one_rank(
     # outputs: verification keeps those right) would differ from one rank's.
     from conftest import make_tiny_adapter
 
+    from vllm_specstream.training.checkpoint import load_merged
+    from vllm_specstream.training.reference_decoder import plain_greedy
+
     base = tiny_merged_tp3.with_name(tiny_merged_tp3.name + "-base")
     adapters = [make_tiny_adapter(base, tmp_path / "tp3-task", seed=20)]
     engine = {**_deployment(base, adapters), "placement": placement}
     prompt = {"max_tokens": 9, "lora": str(adapters[0][0])}
     requests = [{**prompt, "prompt": p} for p in SPEC_PROMPTS[:2]]
-    requests.append({"prompt": SPEC_PROMPTS[2], "max_tokens": 9})  # the base model's
-    one = run_child(
-        "lora_stash", ckpt=str(base), k=3, engine=engine, requests=requests, env=INSPECT
-    )
     tp3 = run_child(
         "lora_stash",
         ckpt=str(base),
         k=3,
-        engine={**engine, "tensor_parallel_size": 3, "gpu_memory_utilization": 0.04},
+        engine={**engine, "tensor_parallel_size": 3, "kv_cache_memory_bytes": 64 << 20},
         requests=requests,
         env={**INSPECT, "VLLM_CPU_OMP_THREADS_BIND": "nobind"},  # 3 ranks on 2 cores
-    )
-    for want, got in zip(one[0], tp3[0]):
-        assert got["tokens"] == want["tokens"]
-        assert got["stash"]["table"] == want["stash"]["table"]
-    assert any(t >= 0 for row in tp3[0][0]["stash"]["table"] for t in row)
+    )[0]
+    # One rank's answer is the training implementation's on the adapter merged: greedy
+    # tokens, and the drafts at every anchor of each request's last forward.
+    model = load_merged(adapters[0][1])
+    for got in tp3:
+        prompt, tokens = got["prompt_ids"][0], got["tokens"][0]
+        assert plain_greedy(model, prompt, len(tokens), eos_token_id=-1) == tokens
+        assert_drafts_are_the_merged_checkpoints(got, adapters[0][1])

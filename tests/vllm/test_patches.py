@@ -332,7 +332,8 @@ def test_tree_runner_hooks_still_fit_vllm():
     # Fails when vLLM changes what tree verification hooks into: the runner's input
     # preparation (its arguments, the batch fields read after it), the module global the
     # runner builds its rejection sampler from, the scheduler output's drafts, the attention
-    # backend registry and the CPU attention impl's forward. Applied only on request.
+    # backend registry, the CPU attention impl's forward, and the sampling parameters and
+    # top-k/top-p helper tree sampling at temperature > 0 reads. Applied only on request.
     out = run_python(
         "import inspect\n"
         "from vllm.v1.worker import gpu_model_runner as g\n"
@@ -346,6 +347,11 @@ def test_tree_runner_hooks_still_fit_vllm():
         "print('self.num_computed_tokens_cpu' in src, '_req_ids' in src)\n"
         "print('scheduled_spec_decode_tokens' in SchedulerOutput.__dataclass_fields__)\n"
         "print(list(inspect.signature(I.forward).parameters)[:8])\n"
+        "from vllm.v1.sample.metadata import SamplingMetadata as M\n"
+        "from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p as topkp\n"
+        "fields = ('temperature', 'all_greedy', 'top_k', 'top_p', 'generators')\n"
+        "print(all(f in M.__dataclass_fields__ for f in fields),\n"
+        "      list(inspect.signature(topkp).parameters)[:3])\n"
         "from vllm_specstream.plugin import register\n"
         "register()\n"
         "print(g.RejectionSampler.__name__, E.CPU_ATTN.get_path().rsplit('.', 1)[-1])\n"
@@ -360,13 +366,14 @@ def test_tree_runner_hooks_still_fit_vllm():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[-7] == "['self', 'scheduler_output', 'num_scheduled_tokens']"
-    assert lines[-6] == "True"
-    assert lines[-5] == "True True"
-    assert lines[-4] == "True"
-    assert lines[-3] == (
+    assert lines[-8] == "['self', 'scheduler_output', 'num_scheduled_tokens']"
+    assert lines[-7] == "True"
+    assert lines[-6] == "True True"
+    assert lines[-5] == "True"
+    assert lines[-4] == (
         "['self', 'layer', 'query', 'key', 'value', 'kv_cache', 'attn_metadata', 'output']"
     )
+    assert lines[-3] == "True ['logits', 'k', 'p']"
     # without SPECSTREAM_TREE_TOP_K nothing of vLLM's is replaced
     assert lines[-2] == "RejectionSampler CPUAttentionBackend"
     assert lines[-1] == "TreeRejectionSampler TreeCPUAttentionBackend True"

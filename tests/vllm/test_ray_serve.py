@@ -131,7 +131,11 @@ def serve_and_query(checkpoint, tmp, http_requests, batch_requests, reference_pi
     out: dict = {}
     start = time.monotonic()
     # Each replica reserves one of the 2 cores; Ray Data's tasks and actors only wait on
-    # the replicas but still need Ray CPUs of their own.
+    # the replicas but still need Ray CPUs of their own. Serve's proxy must answer its
+    # readiness checks in 5 s by default, which a machine busy starting engines (the
+    # reference here, other test files' beside it) misses: its processes get longer.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=4, include_dashboard=False)
     try:
         port = free_port()

@@ -35,7 +35,11 @@ def _get(url: str, timeout: float = 5):
 
 def _launch(model, log_path, extra):
     port = free_port()
-    memory = () if "--kv-cache-memory-bytes" in extra else ("--gpu-memory-utilization", "0.3")
+    # A fixed KV cache unless the test gives one: servers of other test files may run at
+    # the same time (the suite runs its files on two workers).
+    memory = (
+        () if "--kv-cache-memory-bytes" in extra else ("--kv-cache-memory-bytes", str(512 << 20))
+    )
     log = open(log_path, "w")  # noqa: SIM115 (closed after the server stops)
     proc = subprocess.Popen(
         [

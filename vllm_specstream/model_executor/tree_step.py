@@ -218,14 +218,13 @@ def tree_problem(params) -> str | None:
     it can take a tree). Each of these reads a request's drafts as a chain in vLLM."""
     if params is None:
         return "no sampling parameters"
-    if params.temperature >= 1e-5:
-        return "temperature > 0 (tree sampling is greedy only)"
     checks = (
         (params.presence_penalty or params.frequency_penalty, "penalties"),
         (params.repetition_penalty not in (None, 1.0), "penalties"),
         (params.bad_words, "bad words"),
         (params.logprobs is not None, "logprobs"),
         (params.min_tokens, "min_tokens"),
+        (params.temperature >= 1e-5 and params.min_p, "min_p"),
         (params.logit_bias, "logit bias"),
         (params.allowed_token_ids, "allowed token ids"),
         (params.structured_outputs is not None, "structured output"),
