@@ -2,6 +2,9 @@
 
 import pytest
 from engine_child import run_child
+from test_specstream_engine import _stash_rows_and_training_drafts
+
+from vllm_specstream.training.checkpoint import load_merged
 
 pytestmark = pytest.mark.engine
 
@@ -106,14 +109,10 @@ def _deployment(base, adapters) -> dict:
     }
 
 
-def assert_drafts_are_the_merged_checkpoints(served: dict, merged) -> None:
-    """The streams' drafts in ``served`` (a ``lora_stash`` result) equal the training
-    implementation's on ``merged``, the adapter's merged checkpoint, at every anchor."""
-    from test_specstream_engine import _stash_rows_and_training_drafts
-
-    from vllm_specstream.training.checkpoint import load_merged
-
-    rows = list(_stash_rows_and_training_drafts(load_merged(merged), served))
+def assert_drafts_are_the_training_models(served: dict, model) -> None:
+    """The streams' drafts in ``served`` (a ``lora_stash`` result) equal those of ``model``,
+    the training implementation on the adapter's merged checkpoint, at every anchor."""
+    rows = list(_stash_rows_and_training_drafts(model, served))
     assert rows, served["stash"]
     for row, want in rows:
         assert row == want
@@ -136,7 +135,7 @@ def test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment(
     for got, want in zip(served, plain_deployment_outputs["tokens"]):
         assert got["tokens"][0] == want[:9]
     for (_, merged), got in zip(adapters, (served[0], served[2])):
-        assert_drafts_are_the_merged_checkpoints(got, merged)
+        assert_drafts_are_the_training_models(got, load_merged(merged))
     # the adapters' drafts differ (their own streams), and the base request has none
     assert served[0]["stash"]["table"] != served[2]["stash"]["table"]
     assert all(t < 0 for row in served[1]["stash"]["table"] for t in row)
@@ -185,7 +184,6 @@ def test_adapter_streams_under_tensor_parallelism_equal_one_rank(
     # outputs: verification keeps those right) would differ from one rank's.
     from conftest import make_tiny_adapter
 
-    from vllm_specstream.training.checkpoint import load_merged
     from vllm_specstream.training.reference_decoder import plain_greedy
 
     base = tiny_merged_tp3.with_name(tiny_merged_tp3.name + "-base")
@@ -207,4 +205,4 @@ def test_adapter_streams_under_tensor_parallelism_equal_one_rank(
     for got in tp3:
         prompt, tokens = got["prompt_ids"][0], got["tokens"][0]
         assert plain_greedy(model, prompt, len(tokens), eos_token_id=-1) == tokens
-        assert_drafts_are_the_merged_checkpoints(got, adapters[0][1])
+        assert_drafts_are_the_training_models(got, model)
