@@ -37,7 +37,9 @@ logger = init_logger(__name__)
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
 #: off): the row that shows where speculation stops paying. ``specstream-tree`` drafts trees
 #: (``tree_top_k`` candidates per stream, ``tree_nodes`` nodes) verified inside vLLM, where the
-#: adaptive policy finds they pay; ``specstream-tree-fixed`` drafts them at every step.
+#: adaptive policy finds they pay; ``specstream-tree-fixed`` drafts them at every step, and
+#: ``specstream-tree-pruned`` too, pruned by the checkpoint's early-exit adapter (``tree_prune``;
+#: the other tree methods never prune).
 #: ``plain-control`` is a second plain engine: its "speedup" is the run's noise floor
 #: (engines differ by a few percent from one start to the next on small VMs).
 METHODS = (
@@ -50,11 +52,12 @@ METHODS = (
     "specstream-fixed",
     "specstream-tree",
     "specstream-tree-fixed",
+    "specstream-tree-pruned",
 )
-#: Methods a bench runs only when named (``--methods``).
-ON_REQUEST = ("plain-control", "specstream-fixed", "specstream-tree", "specstream-tree-fixed")
 #: Methods that draft trees (``$SPECSTREAM_TREE_TOP_K`` set in their engine).
-TREE_METHODS = ("specstream-tree", "specstream-tree-fixed")
+TREE_METHODS = ("specstream-tree", "specstream-tree-fixed", "specstream-tree-pruned")
+#: Methods a bench runs only when named (``--methods``).
+ON_REQUEST = ("plain-control", "specstream-fixed", *TREE_METHODS)
 
 #: Where ``make suffix-decoding`` installs arctic-inference's suffix tree (vLLM's ``suffix``
 #: method); put on the engines' ``PYTHONPATH`` when present.
@@ -126,6 +129,9 @@ class BenchConfig:
     """``$SPECSTREAM_TREE_TOP_K`` of the tree methods."""
     tree_nodes: int = 8
     """Draft tree nodes (its ``num_speculative_tokens``) of the tree methods."""
+    tree_prune: str | None = None
+    """``$SPECSTREAM_TREE_PRUNE`` of ``specstream-tree-pruned`` (None: the checkpoint's
+    threshold)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -210,7 +216,7 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
         return speculative_config(k, **{**cfg.specstream_options, "adaptive": False})
     if method == "specstream-tree":
         return speculative_config(cfg.tree_nodes, **cfg.specstream_options)
-    if method == "specstream-tree-fixed":
+    if method in ("specstream-tree-fixed", "specstream-tree-pruned"):
         return speculative_config(cfg.tree_nodes, **{**cfg.specstream_options, "adaptive": False})
     raise ValueError(method)
 
@@ -386,12 +392,17 @@ def _emit(line: str) -> None:
 
 def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
     """The environment of ``method``'s child process (None: what every method shares)."""
-    from vllm_specstream.options import ENV_TREE_TOP_K
+    from vllm_specstream.options import ENV_TREE_PRUNE, ENV_TREE_TOP_K
 
     env = dict(os.environ)
     env.pop(ENV_TREE_TOP_K, None)  # trees are the tree methods' only
+    env.pop(ENV_TREE_PRUNE, None)
     if method in TREE_METHODS:
         env[ENV_TREE_TOP_K] = cfg.tree_top_k
+        if method != "specstream-tree-pruned":
+            env[ENV_TREE_PRUNE] = "off"
+        elif cfg.tree_prune is not None:
+            env[ENV_TREE_PRUNE] = cfg.tree_prune
     if "suffix" in cfg.methods and SUFFIX_DECODING_DIR.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(SUFFIX_DECODING_DIR), env.get("PYTHONPATH")) if p

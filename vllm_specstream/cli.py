@@ -142,6 +142,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         eval_data=args.eval_data,
         **split,
         objective=args.objective,
+        init_from=args.init_from,
         medusa_heads=args.medusa_heads,
         spec=spec,
         lora=lora,
@@ -330,6 +331,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             omp_threads_bind=args.omp_threads_bind,
             tree_top_k=args.tree_top_k,
             tree_nodes=args.tree_nodes,
+            tree_prune=args.tree_prune,
         )
     except (ValueError, OSError) as e:
         print(f"specstream bench: error: {e}", file=sys.stderr)
@@ -405,12 +407,18 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--objective",
         default="specstream",
-        choices=["specstream", "ntp", "medusa", "streams-only"],
+        choices=["specstream", "ntp", "medusa", "streams-only", "prune"],
         help="specstream: LoRA + streams (paper eq. 5); ntp: LoRA alone (the quality "
         "baseline); medusa: Medusa heads on the frozen --base; streams-only: streams and a "
         "stream-row LoRA on the frozen --base, trained on its own greedy replies to the "
         "task's prompts (generated with vLLM, cached in OUT/self_distill.jsonl): served, its "
-        "outputs are the base model's",
+        "outputs are the base model's; prune: the tree-pruning adapter alone (paper 3.2.3), "
+        "added to the trained adapter --init-from (OUT: that adapter plus the pruning tensors)",
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="ADAPTER_DIR",
+        help="--objective prune: the trained specstream adapter to add the pruning adapter to",
     )
     p.add_argument(
         "--stream-lora-rank",
@@ -569,7 +577,9 @@ def _add_training_parsers(sub) -> None:
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
         "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off),"
         "specstream-tree (draft trees verified in vLLM where the adaptive policy finds they "
-        "pay: --tree-top-k, --tree-nodes),specstream-tree-fixed (trees at every step) "
+        "pay: --tree-top-k, --tree-nodes),specstream-tree-fixed (trees at every step), "
+        "specstream-tree-pruned (trees at every step, pruned by the checkpoint's early-exit "
+        "adapter: --tree-prune) "
         "(default: all but plain-control, specstream-fixed and the tree methods; medusa only "
         "with --medusa, "
         "suffix only where arctic-inference is importable)",
@@ -590,6 +600,11 @@ def _add_training_parsers(sub) -> None:
     )
     p.add_argument(
         "--tree-nodes", type=int, default=8, help="specstream-tree: draft nodes per request"
+    )
+    p.add_argument(
+        "--tree-prune",
+        help="specstream-tree-pruned: early-exit pruning threshold (SPECSTREAM_TREE_PRUNE; "
+        "default: the checkpoint's prune.threshold); the other tree methods never prune",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each cell's prompts")

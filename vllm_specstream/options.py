@@ -20,6 +20,7 @@ ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
 STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
 ENV_DRAFT_MIN_PROB = "SPECSTREAM_DRAFT_MIN_PROB"
 ENV_TREE_TOP_K = "SPECSTREAM_TREE_TOP_K"
+ENV_TREE_PRUNE = "SPECSTREAM_TREE_PRUNE"
 SCHEDULE_OPTION = "num_speculative_tokens_per_batch_size"
 
 
@@ -44,6 +45,11 @@ class SpecStreamOptions:
     """``$SPECSTREAM_TREE_TOP_K``: candidates per stream of the draft tree (one int for every
     stream, or one per stream); None: chain drafts. The tree's nodes are the first
     ``num_speculative_tokens`` of :func:`vllm_specstream.draft_trees.tree_template`."""
+
+    tree_prune: float | None = None
+    """``$SPECSTREAM_TREE_PRUNE``: early-exit pruning threshold of draft trees in ``[0, 1)``
+    (``off``: no pruning); None: the checkpoint's ``prune.threshold`` where it has a pruning
+    adapter (:mod:`vllm_specstream.model_executor.tree_pruning`), else no pruning."""
 
     @property
     def trees(self) -> bool:
@@ -95,6 +101,34 @@ def draft_min_prob_from(environ: Mapping[str, str]) -> float:
             "confidence rule off)"
         )
     return value
+
+
+def tree_prune_from(environ: Mapping[str, str]) -> float | None:
+    """``$SPECSTREAM_TREE_PRUNE``: a threshold, ``off`` (returned as 0: prunes nothing), or
+    unset (None)."""
+    text = environ.get(ENV_TREE_PRUNE, "").strip().lower()
+    if not text:
+        return None
+    if text in ("off", "0"):
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(
+            f"{ENV_TREE_PRUNE}={text!r}: expected a probability in [0, 1) or 'off' (a draft "
+            "tree node is pruned when its early-exit probability is below it)"
+        )
+    return value
+
+
+#: ``$SPECSTREAM_TREE_PRUNE`` set on a checkpoint without a pruning adapter.
+TREE_PRUNE_NO_ADAPTER = (
+    ENV_TREE_PRUNE + "={threshold:g}: the checkpoint has no pruning adapter ({where}: "
+    "specstream.prune.enabled is false); add one with `specstream train --objective prune "
+    "--init-from ADAPTER` and export it again, or unset " + ENV_TREE_PRUNE
+)
 
 
 def tree_top_k_from(environ: Mapping[str, str]) -> tuple[int, ...] | None:
@@ -162,4 +196,5 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
         stream_dtype=stream_dtype_from(environ),
         draft_min_prob=draft_min_prob_from(environ) if k else 0.0,
         tree_top_k=tree_top_k_from(environ) if k else None,
+        tree_prune=tree_prune_from(environ) if k else None,
     )

@@ -22,9 +22,11 @@ from vllm_specstream.merged_checkpoint import (
     read_specstream_section,
 )
 from vllm_specstream.options import (
+    TREE_PRUNE_NO_ADAPTER,
     TREES_TP_ERROR,
     SpecStreamOptions,
     draft_tree_of,
+    tree_prune_from,
     tree_top_k_from,
 )
 
@@ -126,6 +128,9 @@ def check_setup(
             raise ConfigError(TREES_TP_ERROR.format(tp=tensor_parallel_size))
         options = SpecStreamOptions(num_speculative_tokens, tree_top_k=trees)
         draft_tree_of(options, config.num_streams)  # raises on a size the tree cannot fill
+        threshold = tree_prune_from(os.environ)
+        if threshold and not config.prune.enabled:
+            raise ConfigError(TREE_PRUNE_NO_ADAPTER.format(threshold=threshold, where=config_file))
     elif speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
         g = config.num_streams
         raise ConfigError(

@@ -209,3 +209,47 @@ def test_streams_only_trains_on_the_models_replies(tiny_base, tmp_path):
     assert tensors["stream_lora_1_qkv_b"].abs().sum() > 0  # trained away from zero init
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert "loss_stream1" in log[-1] and "loss_main" not in log[-1]
+
+
+def test_prune_objective_adds_the_pruning_adapter_to_a_trained_one(tiny_base, tmp_path):
+    """Objective prune: the pruning tensors train on a trained adapter; its LoRA and stream
+    tensors are saved unchanged, the config turns pruning on, and the loss falls."""
+    from transformers import AutoTokenizer
+
+    from vllm_specstream.config import PruneConfig
+    from vllm_specstream.training.checkpoint import load_adapter
+    from vllm_specstream.training.data import encode_example
+    from vllm_specstream.training.loss import specstream_loss
+    from vllm_specstream.training.train import collate, load_examples
+
+    trained = train(args_for(tiny_base, tmp_path / "ss", steps=2), progress=False)
+    args = args_for(tiny_base, tmp_path / "prune", steps=10)
+    args.objective, args.init_from, args.lr = "prune", str(trained), 1e-2
+    args.spec = SpecStreamConfig(prune=PruneConfig(rank=4, threshold=0.02))
+    out = train(args, progress=False)
+    config = SpecStreamConfig.load(out)
+    assert config.prune.enabled and config.prune.rank == 4 and config.prune.threshold == 0.02
+    assert (config.num_streams, config.num_msa_layers) == (2, 2)  # the trained adapter's
+    before, after = (
+        load_file(str(trained / "specstream.safetensors")),
+        load_file(str(out / "specstream.safetensors")),
+    )
+    assert set(after) == set(before) | {"prune_a", "prune_b"}
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor), name
+    assert after["prune_b"].abs().sum() > 0  # trained away from its zero init
+    lora_before = load_file(str(trained / "adapter_model.safetensors"))
+    lora_after = load_file(str(out / "adapter_model.safetensors"))
+    assert lora_before.keys() == lora_after.keys()
+    assert all(torch.equal(lora_before[k], lora_after[k]) for k in lora_before)
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert "loss_prune" in log[-1] and "loss_main" not in log[-1]
+    # the training examples' pruning loss against the untrained adapter (prune_b = 0)
+    model = load_adapter(out).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    batch = collate([encode_example(tok, e, 96) for e in load_examples(args, "train", 16)])
+    with torch.no_grad():
+        trained_loss = specstream_loss(model, batch, "prune")[0]
+        model.prune_b.zero_()
+        untrained_loss = specstream_loss(model, batch, "prune")[0]
+    assert trained_loss < untrained_loss - 0.1

@@ -252,3 +252,17 @@ def test_lora_under_tensor_parallelism_passes_and_streams_only_limits(tmp_path):
         check_setup(**args, lora_enabled=True, tensor_parallel_size=1)
     with pytest.raises(ConfigError, match="tensor_parallel_size 1 only, got 3.*-tp 1"):
         check_setup(**args, lora_enabled=False, tensor_parallel_size=3)
+
+
+def test_tree_pruning_needs_a_pruning_adapter(tmp_path, monkeypatch):
+    ckpt = make_checkpoint(tmp_path)
+    monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "2")
+    monkeypatch.setenv("SPECSTREAM_TREE_PRUNE", "off")
+    check(ckpt, k=4)
+    monkeypatch.setenv("SPECSTREAM_TREE_PRUNE", "0.05")
+    with pytest.raises(
+        ConfigError,
+        match=r"SPECSTREAM_TREE_PRUNE=0.05: the checkpoint has no pruning adapter "
+        r"\(.*ckpt/config.json: specstream.prune.enabled is false\).*--objective prune",
+    ):
+        check(ckpt, k=4)

@@ -17,6 +17,7 @@ from vllm_specstream.model_executor.tree_step import (
     tree_problem,
 )
 from vllm_specstream.options import (
+    ENV_TREE_PRUNE,
     ENV_TREE_TOP_K,
     SpecStreamOptions,
     draft_tree_of,
@@ -145,6 +146,13 @@ def test_tree_options_and_template_size():
     )
     assert read_options(spec, {ENV_TREE_TOP_K: "2"}).trees
     assert not read_options(None, {ENV_TREE_TOP_K: "2"}).trees  # no speculation, no trees
+    # pruning: unset (the checkpoint's threshold), off, a threshold; bad values name the variable
+    assert read_options(spec, {}).tree_prune is None
+    assert read_options(spec, {ENV_TREE_PRUNE: "off"}).tree_prune == 0.0
+    assert read_options(spec, {ENV_TREE_PRUNE: "0.05"}).tree_prune == 0.05
+    for bad in ("1.5", "-0.1", "some"):
+        with pytest.raises(ConfigError, match=ENV_TREE_PRUNE):
+            read_options(spec, {ENV_TREE_PRUNE: bad})
 
 
 def test_tree_sampling_reads_the_distribution_vllms_sampler_forms():

@@ -377,3 +377,50 @@ def test_tree_runner_hooks_still_fit_vllm():
     # without SPECSTREAM_TREE_TOP_K nothing of vLLM's is replaced
     assert lines[-2] == "RejectionSampler CPUAttentionBackend"
     assert lines[-1] == "TreeRejectionSampler TreeCPUAttentionBackend True"
+
+
+def test_tree_pruning_touch_points_still_fit_vllm():
+    # Fails when vLLM changes what pruning inside the forward relies on: the CPU attention
+    # metadata's fields and the kernel's work-split call (rebuilt for the kept rows), the
+    # forward context's per-layer metadata and slot mappings, read afresh by every layer's
+    # attention (a cached context would keep the full batch's), and the decoder loop the pruned forward runs itself (Llama and Qwen2).
+    out = run_python(
+        "import dataclasses, inspect, torch\n"
+        "from types import SimpleNamespace\n"
+        "from vllm.forward_context import ForwardContext\n"
+        "from vllm.model_executor.layers.attention import attention as A\n"
+        "from vllm.model_executor.models import llama, qwen2\n"
+        "from vllm.v1.attention.backends import cpu_attn\n"
+        "from vllm_specstream.model_executor.tree_pruning import PrunedBatch, pruned_metadata\n"
+        "fields = {f.name for f in dataclasses.fields(ForwardContext)}\n"
+        "ctx = inspect.getsource(A.get_attention_context)\n"
+        "print({'attn_metadata', 'slot_mapping'} <= fields,\n"
+        "      'get_forward_context()' in ctx and not hasattr(A.get_attention_context, 'cache_clear'))\n"
+        "for m in (llama.LlamaModel, qwen2.Qwen2Model):\n"
+        "    src = inspect.getsource(m.forward)\n"
+        "    print('hidden_states, residual = layer(' in src and 'self.embed_input_ids(' in src\n"
+        "          and 'hidden_states, _ = self.norm(hidden_states, residual)' in src)\n"
+        "isa = cpu_attn._get_attn_isa(torch.float32, 16, 64, 'auto')\n"
+        "layer = SimpleNamespace(isa=isa, impl=SimpleNamespace(num_heads=9, num_kv_heads=3,\n"
+        "    head_size=64, kv_cache_dtype='auto'))\n"
+        "qsl = torch.tensor([0, 1, 8], dtype=torch.int32)\n"
+        "seq = torch.tensor([20, 47], dtype=torch.int32)\n"
+        "meta = cpu_attn.CPUAttentionMetadata(num_actual_tokens=8, max_query_len=7,\n"
+        "    query_start_loc=qsl, max_seq_len=47, seq_lens=seq,\n"
+        "    block_table=torch.zeros(2, 4, dtype=torch.int32),\n"
+        "    slot_mapping=torch.arange(8, dtype=torch.int64), scheduler_metadata=None)\n"
+        "keep = torch.tensor([0, 1, 2, 4, 7])\n"
+        "pruned = PrunedBatch(keep, [0, 1, 5], [0, 3], {1: (0, 2)})\n"
+        "m = pruned_metadata(meta, pruned, layer, torch.float32)\n"
+        "print(m.num_actual_tokens, m.max_query_len, m.query_start_loc.tolist(),\n"
+        "      m.seq_lens.tolist(), m.max_seq_len, m.slot_mapping.tolist(),\n"
+        "      m.scheduler_metadata is not None)\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-4:] == [
+        "True True",
+        "True",
+        "True",
+        "5 4 [0, 1, 5] [20, 44] 44 [0, 1, 2, 4, 7] True",
+    ]

@@ -57,6 +57,16 @@ def current_forward_batch(layer_name: str, positions: Tensor) -> ForwardBatch | 
     )
 
 
+def attn_metadata_of(layer_name: str):
+    """vLLM's attention metadata of layer ``layer_name`` in the running forward."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):
+        metadata = metadata[0]
+    return metadata[layer_name]
+
+
 def no_forward_batch_reason(layer_name: str) -> str:
     """Why :func:`current_forward_batch` found no batch for attention layer ``layer_name``
     (for the proposer's warning when drafts stop: a renamed layer shows up here)."""

@@ -23,6 +23,7 @@ decoder layers differ from Llama's, a layer adapter in ``stream_forward``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -34,7 +35,7 @@ from vllm.platforms import current_platform
 from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError
 from vllm_specstream.cpu_env import single_thread_note
-from vllm_specstream.draft_trees import TreeTemplate
+from vllm_specstream.draft_trees import TreeTemplate, prune_nodes
 from vllm_specstream.logger import init_logger
 from vllm_specstream.merged_checkpoint import (
     adapter_streams_only,
@@ -45,6 +46,7 @@ from vllm_specstream.model_executor.adapter_streams import Deployment
 from vllm_specstream.model_executor.forward_batch import (
     ForwardBatch,
     attention_layer_name,
+    attn_metadata_of,
     current_forward_batch,
     no_forward_batch_reason,
 )
@@ -60,10 +62,20 @@ from vllm_specstream.model_executor.stream_forward import (
     window_anchors,
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
-from vllm_specstream.model_executor.tree_step import WORKER_TREES, depth_positions
+from vllm_specstream.model_executor.tree_pruning import (
+    attention_for_kept_rows,
+    node_keep_probs,
+    prune_batch,
+    prune_head_probs,
+    pruned_metadata,
+    scatter_rows,
+)
+from vllm_specstream.model_executor.tree_step import WORKER_TREES, depth_positions, kept_subtree
 from vllm_specstream.options import (
     ENV_DRAFT_MIN_PROB,
+    ENV_TREE_PRUNE,
     ENV_TREE_TOP_K,
+    TREE_PRUNE_NO_ADAPTER,
     TREES_TP_ERROR,
     draft_tree_of,
     read_options,
@@ -138,10 +150,14 @@ class SpecStreamMixin:
             raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where="config.json"))
         n = hf_config.num_hidden_layers
         self.first_msa_layer = n - self.spec_config.num_msa_layers
+        self.prune_layer = self.spec_config.prune_layer(n)
+        self._layer_prefix = f"{prefix}.model." if prefix else "model."
+        #: Early-exit pruning threshold of draft trees (0: off; :mod:`.tree_pruning`).
+        self.prune_threshold = self._prune_threshold(vllm_config) if self.tree is not None else 0.0
         # vLLM's public EAGLE-3 hook: the decoder then also returns the residual stream
         # entering L0, which the streams start from.
         self.set_aux_hidden_state_layers((self.first_msa_layer,))
-        self._layer_name = attention_layer_name(f"{prefix}.model." if prefix else "model.", n - 1)
+        self._layer_name = attention_layer_name(self._layer_prefix, n - 1)
         self._runner: StreamRunner | None = None
         self._stream_weights: StreamWeights | None = None
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -173,6 +189,37 @@ class SpecStreamMixin:
         #: ``(stash, anchors, stream states [R, A, G, h])`` waiting for ``compute_logits``
         #: (fused pass).
         self._pending_streams: tuple | None = None
+
+    def _prune_threshold(self, vllm_config: VllmConfig) -> float:
+        """The tree-pruning threshold of this engine: ``$SPECSTREAM_TREE_PRUNE``, else the
+        checkpoint's ``prune.threshold`` if it has a pruning adapter, else 0 (off)."""
+        prune = self.spec_config.prune
+        threshold = self.options.tree_prune
+        if threshold is None:
+            threshold = prune.threshold if prune.enabled and self.own_streams else 0.0
+        elif threshold > 0 and not (prune.enabled and self.own_streams):
+            raise ConfigError(
+                TREE_PRUNE_NO_ADAPTER.format(threshold=threshold, where="config.json")
+            )
+        if threshold <= 0:
+            return 0.0
+        why = None
+        if not vllm_config.model_config.enforce_eager:
+            why = "the decoder is compiled (pruning runs its layers eagerly: enforce_eager=True)"
+        elif vllm_config.lora_config:
+            why = "LoRA serving (LoRA layers map every row of the batch)"
+        elif not current_platform.is_cpu():
+            why = "a non-CPU attention backend"
+        if why is not None:
+            logger.warning("specstream tree pruning is off: %s", why)
+            return 0.0
+        logger.info(
+            "specstream prunes draft trees at layer %d below early-exit probability %g (%s)",
+            self.prune_layer,
+            threshold,
+            ENV_TREE_PRUNE,
+        )
+        return threshold
 
     def default_placement(self) -> str:
         """Window (the paper's one-pass design: cheapest at batch 1) where the stream rows
@@ -269,7 +316,10 @@ class SpecStreamMixin:
                 positions = self._tree_positions(positions, batch)
         fused = self._begin_fused(batch)
         try:
-            out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+            if self._prunes(batch, input_ids, inputs_embeds):
+                out = self._decode_with_pruning(input_ids, positions, batch)
+            else:
+                out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         finally:
             streams = self._fused.finish() if fused else None
         if not isinstance(out, tuple):  # pipeline-parallel intermediate ranks
@@ -289,6 +339,94 @@ class SpecStreamMixin:
         positions = depth_positions(positions, batch.query_start_loc.tolist(), step)
         batch.positions = positions[: batch.positions.shape[0]].clone()
         return positions
+
+    def _prunes(self, batch: ForwardBatch | None, input_ids, inputs_embeds) -> bool:
+        """Whether this forward prunes its trees at the pruning layer."""
+        step = WORKER_TREES.step
+        return (
+            self.prune_threshold > 0
+            and batch is not None
+            and step is not None
+            and bool(step.rows)
+            and input_ids is not None
+            and inputs_embeds is None
+        )
+
+    def _decode_with_pruning(self, input_ids, positions, batch: ForwardBatch):
+        """The decoder's forward (as vLLM's ``LlamaModel.forward`` on one rank) with the
+        step's trees pruned at the pruning layer: the layers from there run on the kept
+        rows only. Returns ``(hidden, [residual stream entering L0])`` in the runner's
+        row layout, like the decoder with its aux-hidden-state hook."""
+        from vllm_specstream.model_executor.tree_attention import (
+            TreeRequest,
+            TreeStep,
+            current_tree_step,
+            set_tree_step,
+        )
+
+        decoder, step = self.model, WORKER_TREES.step
+        query_start = batch.query_start_loc.tolist()
+        hidden = decoder.embed_input_ids(input_ids)
+        residual = None
+        num_rows = hidden.shape[0]
+        msa_input = pruned = None
+        full_tree_step = current_tree_step()
+        with contextlib.ExitStack() as stack:
+            for idx, layer in enumerate(decoder.layers):
+                if idx == self.prune_layer:
+                    stream = hidden if residual is None else hidden + residual
+                    pruned = self._prune(stream, input_ids, query_start, step, num_rows)
+                    if pruned is not None:
+                        keep = pruned.keep_rows
+                        hidden, positions = hidden[keep], positions[keep]
+                        residual = None if residual is None else residual[keep]
+                        attn = decoder.layers[idx].self_attn.attn
+                        names = [
+                            attention_layer_name(self._layer_prefix, i)
+                            for i in range(idx, len(decoder.layers))
+                        ]
+                        metadata = pruned_metadata(
+                            attn_metadata_of(names[0]), pruned, attn, self._model_dtype
+                        )
+                        stack.enter_context(attention_for_kept_rows(names, metadata, pruned))
+                        set_tree_step(
+                            TreeStep(
+                                tuple(
+                                    TreeRequest(t.row, kept_subtree(t.parents, pruned.kept[t.row]))
+                                    for t in step.rows
+                                    if pruned.kept[t.row]
+                                )
+                            )
+                        )
+                if idx == self.first_msa_layer:
+                    msa_input = hidden if residual is None else hidden + residual
+                    if pruned is not None:
+                        msa_input = scatter_rows(msa_input, pruned.keep_rows, num_rows)
+                hidden, residual = layer(positions, hidden, residual)
+            set_tree_step(full_tree_step)
+        hidden, _ = decoder.norm(hidden, residual)
+        if pruned is not None:
+            hidden = scatter_rows(hidden, pruned.keep_rows, num_rows)
+        return hidden, [msa_input]
+
+    def _prune(self, stream, input_ids, query_start, step, num_rows):
+        """The kept rows of this step's trees (None: nothing pruned); records what was kept
+        for the sampler."""
+        self._stream_runner()  # the LM head for rows of its own (prepacked where it is)
+        spec, norm = self.specstream, self.model.norm
+
+        def head(rows):
+            return prune_head_probs(rows, spec.prune_a, spec.prune_b, norm, self._stream_logits)
+
+        probs = node_keep_probs(stream, input_ids, query_start, step, head)
+        parents = {t.row: t.parents for t in step.rows}
+        keep = {row: prune_nodes(parents[row], p, self.prune_threshold) for row, p in probs.items()}
+        pruned = prune_batch(num_rows, query_start, step, keep)
+        removed = 0 if pruned is None else sum(pruned.removed)
+        WORKER_TREES.count_pruned(sum(len(p) for p in parents.values()), removed)
+        if pruned is not None:
+            step.kept.update(pruned.kept)
+        return pruned
 
     def move_kv(self, moves: dict[int, list[tuple[int, int]]]) -> None:
         """Copy, in every layer's cache, the keys/values of request row ``r`` from position

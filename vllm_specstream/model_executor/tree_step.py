@@ -64,9 +64,25 @@ class StepTrees:
     #: its deepest accepted node in the forward (0: the root). Rows not listed keep vLLM's
     #: chain layout (offset = number of accepted drafts).
     anchor_offsets: dict[int, int] = field(default_factory=dict)
+    #: Filled by the forward when early-exit pruning dropped nodes: batch row -> the node
+    #: indices kept (only those can be accepted; :mod:`.tree_pruning`).
+    kept: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def row_tree(self, row: int) -> RowTree | None:
         return next((t for t in self.rows if t.row == row), None)
+
+
+def kept_subtree(parents: Sequence[int], kept: Sequence[int]) -> tuple[int, ...]:
+    """Parents of the ``kept`` nodes (indices into ``parents``, in order, closed under
+    parents) renumbered among themselves (-1: the root)."""
+    index = {node: i for i, node in enumerate(kept)}
+    out = []
+    for node in kept:
+        p = parents[node]
+        if p >= 0 and p not in index:
+            raise ValueError(f"kept node {node} has its parent {p} pruned")
+        out.append(-1 if p < 0 else index[p])
+    return tuple(out)
 
 
 def is_chain(parents: Sequence[int]) -> bool:
@@ -171,6 +187,13 @@ class WorkerTrees:
         #: Rows verified as trees, and those whose accepted path left the top-1 chain.
         self.tree_rows = 0
         self.off_chain_rows = 0
+        #: Tree nodes that reached the pruning layer, and those pruned there.
+        self.nodes_at_pruning = 0
+        self.nodes_pruned = 0
+
+    def count_pruned(self, nodes: int, pruned: int) -> None:
+        self.nodes_at_pruning += nodes
+        self.nodes_pruned += pruned
 
     def prepare(self, runner, req_ids, scheduled_drafts, num_computed_tokens) -> None:
         """After the runner prepared a step: which rows are trees (the attention backend
@@ -234,4 +257,10 @@ def tree_problem(params) -> str | None:
 
 def tree_stats(model=None) -> dict:
     """This worker's tree counters (``LLM.apply_model(tree_stats)`` for inspection)."""
-    return {"tree_rows": WORKER_TREES.tree_rows, "off_chain_rows": WORKER_TREES.off_chain_rows}
+    w = WORKER_TREES
+    return {
+        "tree_rows": w.tree_rows,
+        "off_chain_rows": w.off_chain_rows,
+        "nodes_at_pruning": w.nodes_at_pruning,
+        "nodes_pruned": w.nodes_pruned,
+    }

@@ -53,14 +53,18 @@ def specstream_loss(
 
     ``batch``: ``input_ids``, ``attention_mask``, ``labels_mask`` (True on completion tokens),
     all ``[B, T]``, right-padded; a packed batch (:mod:`fast_batches`) adds ``positions``,
-    ``new_mask`` and possibly a cached ``hidden`` with its ``start_layer``. ``objective``: "specstream" (eq. 5), "ntp" (main only) or
-    "streams-only" (the streams' terms of eq. 5: the main stream is the frozen base).
+    ``new_mask`` and possibly a cached ``hidden`` with its ``start_layer``. ``objective``:
+    "specstream" (eq. 5), "ntp" (main only), "streams-only" (the streams' terms of eq. 5: the
+    main stream is the frozen base) or "prune" (the pruning adapter alone, on a trained
+    checkpoint: the same term as in eq. 5 training, whose input is detached anyway).
     """
     cfg = model.config
     ids, attn, labels = batch["input_ids"], batch["attention_mask"], batch["labels_mask"]
+    packed = {k: batch[k] for k in ("positions", "new_mask", "hidden", "start_layer") if k in batch}
+    if objective == "prune":
+        return _prune_loss(model, ids, attn, labels, packed)
     streams = objective in ("specstream", "streams-only")
     anchors = select_anchors(labels, cfg.num_streams) if streams else None
-    packed = {k: batch[k] for k in ("positions", "new_mask", "hidden", "start_layer") if k in batch}
     out = model(ids, anchors=anchors, attention_mask=attn, **packed)
     hidden, targets = main_rows(out.main_hidden, ids, labels)
     metrics: dict[str, float] = {}
@@ -90,4 +94,16 @@ def specstream_loss(
         metrics["loss_prune"] = float(p_loss.detach())
         metrics["top1_prune"] = float(p_top1)
     metrics["loss"] = float(loss.detach())
+    return loss, metrics
+
+
+def _prune_loss(model: SpecStreamModel, ids, attn, labels, packed) -> tuple[Tensor, dict]:
+    """The pruning adapter's next-token loss at layer Lp; the layers above it do not run."""
+    if model.prune_a is None:
+        raise ValueError("objective prune: the model has no pruning adapter (prune.enabled)")
+    out = model(ids, attention_mask=attn, stop_layer=model.prune_layer, **packed)
+    hidden, targets = main_rows(out.prune_input.detach(), ids, labels)
+    loss, top1 = _ce_and_top1(model.prune_logits, hidden, targets)
+    metrics = {"loss_prune": float(loss.detach()), "top1_prune": float(top1)}
+    metrics["loss"] = metrics["loss_prune"]
     return loss, metrics

@@ -46,8 +46,8 @@ KVCache = list[tuple[Tensor, Tensor]]
 class StreamOutput:
     """Result of :meth:`SpecStreamModel.forward` (hidden states after the final norm)."""
 
-    main_hidden: Tensor
-    """``[B, T, h]`` main stream at every input position."""
+    main_hidden: Tensor | None
+    """``[B, T, h]`` main stream at every input position (None: stopped at ``stop_layer``)."""
     stream_hidden: Tensor | None
     """``[B, A, G, h]`` streams at the anchors, or None when no anchors were asked for."""
     anchors: Tensor | None
@@ -327,6 +327,7 @@ class SpecStreamModel(nn.Module):
         new_mask: Tensor | None = None,
         hidden: Tensor | None = None,
         start_layer: int = 0,
+        stop_layer: int | None = None,
     ) -> StreamOutput:
         """Main stream for ``input_ids`` ``[B, T]`` and streams at ``anchors`` ``[B, A]``.
 
@@ -341,6 +342,8 @@ class SpecStreamModel(nn.Module):
         ``hidden`` ``[B, T, h]`` with ``start_layer`` resumes the decoder at that layer from the
         residual stream entering it (layers below it are frozen and their output was cached);
         it must not be above L0 or the pruning layer, whose inputs are taken from it.
+        ``stop_layer`` ends the pass at the input of that layer (no main hidden state, no
+        streams above it): what training the pruning adapter alone needs.
         """
         b, t = input_ids.shape
         past = 0 if cache is None else cache[0][0].shape[2]
@@ -378,6 +381,8 @@ class SpecStreamModel(nn.Module):
                 prune_input = h
             if i == self.first_msa_layer:
                 msa_input = h
+            if i == stop_layer:
+                break
             if i == self.first_msa_layer and anchors is not None:
                 s, s_cos, s_sin, main_mask = self._enter_streams(h, anchors, positions, attn_mask)
             with torch.set_grad_enabled(main_grad):
@@ -390,8 +395,9 @@ class SpecStreamModel(nn.Module):
                 msa_index = i - self.first_msa_layer
                 s = self._stream_layer(layer, msa_index, s, s_cos, s_sin, k, v, main_mask)
         norm = decoder.norm
+        stopped = stop_layer is not None and stop_layer < len(decoder.layers)
         return StreamOutput(
-            main_hidden=norm(h),
+            main_hidden=None if stopped else norm(h),
             stream_hidden=None if s is None else norm(s),
             anchors=anchors,
             msa_input=msa_input,

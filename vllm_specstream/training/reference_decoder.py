@@ -96,7 +96,8 @@ def speculative_generate(
     (its first ``max_nodes`` nodes, as vLLM drafts ``num_speculative_tokens`` of them).
 
     ``prune_threshold`` (tree only) drops candidates whose early-exit probability given their
-    parent is lower (needs a checkpoint with the pruning adapter); None uses the config's.
+    parent is lower (needs a checkpoint with the pruning adapter); None uses the config's, 0
+    prunes nothing.
     """
     n_spec = num_speculative_tokens or model.config.num_streams
     if not 1 <= n_spec <= model.config.num_streams:
@@ -112,7 +113,7 @@ def speculative_generate(
     candidates = _stream_topk(model, out.stream_hidden[0, 0], top_k, n_spec)
     while len(result.tokens) < max_new_tokens and result.tokens[-1] != eos_token_id:
         tree = draft_tree(template, result.tokens[-1], candidates)
-        if top_k > 1 and prune_threshold is not None:
+        if top_k > 1 and prune_threshold:  # 0: no pruning
             tree = _prune(model, tree, cache, past, prune_threshold)
         n = len(tree.tokens)
         out = model(

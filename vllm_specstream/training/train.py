@@ -31,7 +31,7 @@ LOG_FILE = "train_log.jsonl"
 #: The frozen layers' output per training example, kept until the run finishes so that a
 #: resumed run does not compute it again.
 FROZEN_PREFIX_FILE = "frozen_prefix.pt"
-OBJECTIVES = ("specstream", "ntp", "medusa", "streams-only")
+OBJECTIVES = ("specstream", "ntp", "medusa", "streams-only", "prune")
 #: Objectives that train streams (stream embeddings, their adapters).
 STREAM_OBJECTIVES = ("specstream", "streams-only")
 
@@ -61,6 +61,10 @@ class TrainArgs:
     (Medusa heads on the frozen ``base``, saved for vLLM's ``medusa`` method) or
     "streams-only" (streams on the frozen ``base``: no LoRA on the main stream, a stream LoRA
     (``spec.stream_lora_rank``) on the stream rows; outputs stay the base model's)."""
+    init_from: str | None = None
+    """Objective "prune": the trained specstream adapter that the pruning adapter is added
+    to (its LoRA and streams are loaded and stay frozen; the output is that adapter plus the
+    pruning tensors)."""
     distill: str | None = None
     """Self-distillation file (JSONL of ``messages`` and ``completion``): every example's
     completion is replaced by the base model's own greedy reply to its prompt, so that
@@ -195,7 +199,7 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
                         return model.final_hidden(train_set, progress=progress)
                     return prefix_hidden(model, train_set, start, progress=progress)
 
-            key = cache_key(args.base, start, medusa, args.dtype, encoded=train_set)
+            key = cache_key(args.base, args.init_from, start, medusa, args.dtype, encoded=train_set)
             hidden = load_or_compute(Path(args.out) / FROZEN_PREFIX_FILE, key, compute)
             logger.info(
                 "Layers 0-%d are frozen: their output for %d examples cached (%.2f GiB, %.0f s)",
@@ -274,6 +278,9 @@ class SpecStreamJob:
 
     def __init__(self, args: TrainArgs):
         self.args = args
+        if args.objective == "prune":
+            self.model = _pruning_model(args)
+            return
         lora = None if args.objective == "streams-only" else args.lora
         self.model: SpecStreamModel = build_model(
             args.base, args.spec, lora, torch.float32, args.stream_init_std
@@ -284,6 +291,8 @@ class SpecStreamJob:
 
     def param_groups(self) -> list[dict]:
         model, args = self.model, self.args
+        if args.objective == "prune":
+            return [{"params": [model.prune_a, model.prune_b], "lr": args.lr, "weight_decay": 0.0}]
         other = [
             p for n, p in model.named_parameters() if p.requires_grad and n != "stream_embeddings"
         ]
@@ -317,6 +326,8 @@ class SpecStreamJob:
         )
 
     def log_extra(self) -> dict[str, float]:
+        if self.args.objective == "prune":
+            return {}
         return {"stream_norm": float(self.model.stream_embeddings.detach().norm(dim=-1).mean())}
 
     def save(self, out: Path) -> None:
@@ -334,6 +345,30 @@ class SpecStreamJob:
             set_peft_model_state_dict(
                 self.model.lm, load_file(str(ckpt / "adapter_model.safetensors"))
             )
+
+
+def _pruning_model(args: TrainArgs) -> SpecStreamModel:
+    """The adapter ``args.init_from`` with a fresh pruning adapter (``args.spec.prune``'s rank
+    and threshold); everything but the pruning tensors frozen."""
+    import dataclasses
+
+    from vllm_specstream.config import ConfigError
+    from vllm_specstream.training.checkpoint import load_adapter
+
+    if not args.init_from:
+        raise ConfigError("--objective prune needs --init-from ADAPTER_DIR (a trained adapter)")
+    trained = load_adapter(args.init_from, base=args.base)
+    prune = dataclasses.replace(args.spec.prune, enabled=True)
+    config = dataclasses.replace(trained.config, prune=prune)
+    model = SpecStreamModel(trained.lm, config)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        for name, param in trained.stream_parameters().items():
+            getattr(model, name).copy_(param)
+    model.prune_a.requires_grad_(True)
+    model.prune_b.requires_grad_(True)
+    return model
 
 
 class MedusaJob:
