@@ -119,6 +119,14 @@ def main() -> None:
     wrap(sf.StreamRunner, "main_kv", "streams: KV gather")
     wrap(ss.SpecStreamLlamaForCausalLM, "compute_logits", "compute_logits (main + streams)")
     wrap(SpecStreamProposer, "propose", "proposer.propose")
+    # draft trees ($SPECSTREAM_TREE_TOP_K): node rows redone per layer, acceptance and KV
+    # moves, early-exit pruning
+    from vllm_specstream.model_executor import tree_attention as ta
+    from vllm_specstream.model_executor import tree_sampler as ts
+
+    wrap(ta, "redo_tree_rows", "trees: node rows redone (all layers)")
+    wrap(ts.TreeRejectionSampler, "forward", "trees: sampler (accept + KV move)")
+    wrap(ss.SpecStreamMixin, "_prune", "trees: pruning head")
     from vllm.v1.worker import gpu_model_runner as gmr
 
     runner_cls = gmr.GPUModelRunner

@@ -245,6 +245,18 @@ def test_backend_takes_a_flat_output_and_a_cut_tree(batch):
     assert torch.equal(shared, full)
 
 
+def test_backend_redoes_trees_of_several_sizes_in_one_batch(batch):
+    # Request 0's five rows read as a root and a 4-node tree over no cached tokens, beside
+    # request 1's tree over 40: the padded batch (prefix, nodes) gives each its own rows.
+    small = (-1, 0, -1, 2)
+    step = TreeStep((TreeRequest(0, small), TreeRequest(1, TREE)))
+    got = _run_with_trees(batch, batch.tree, step)
+    want_small = _dense_tree(batch.query[1:5], batch.k[0], batch.v[0], 0, small, D**-0.5)
+    torch.testing.assert_close(got[1:5], want_small, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[NODES], batch.node_rows_reference(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[0], batch.run(batch.stock)[0])  # request 0's root
+
+
 def test_backend_is_vllms_without_trees(batch):
     want = batch.run(batch.stock)
     assert current_tree_step() is None

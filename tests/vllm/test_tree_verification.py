@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_specstream_engine import run_engine
 
-from vllm_specstream.options import ENV_TREE_TOP_K
+from vllm_specstream.options import ENV_TREE_PRUNE, ENV_TREE_TOP_K
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -17,6 +17,9 @@ E2E_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "e2e-smollm2
 #: Two candidates per stream, 8 nodes: the top-1 chain of 4 and the 4 likeliest others.
 TOP_K, NODES = 2, 8
 TREES = {ENV_TREE_TOP_K: str(TOP_K), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: Early-exit pruning (the adapter's trained pruning head) at a threshold that prunes some
+#: nodes of most trees and keeps others.
+PRUNE = 0.01
 
 
 def meaning_representations(n: int, seed: int = 0) -> list[str]:
@@ -63,12 +66,34 @@ def e2e(base_model_dir, tmp_path_factory):
     # from the prefix cache what the first ones wrote.
     engine = {"block_size": 32}
     plain = run_engine(ckpt, 0, engine, requests, follow_up=8)
-    tree = run_engine(ckpt, NODES, engine, requests, env=TREES, trees=True, follow_up=8)
-    return ckpt, tok, requests, plain, tree
+    runs = {
+        "tree": run_engine(
+            ckpt,
+            NODES,
+            engine,
+            requests,
+            env=TREES | {ENV_TREE_PRUNE: "off"},
+            trees=True,
+            follow_up=8,
+        ),
+        # pruned, with prefill chunks of other requests in the tree steps' batches
+        "pruned": run_engine(
+            ckpt,
+            NODES,
+            engine | {"max_num_batched_tokens": 64},
+            requests,
+            env=TREES | {ENV_TREE_PRUNE: str(PRUNE)},
+            trees=True,
+            follow_up=8,
+        ),
+    }
+    return ckpt, tok, requests, plain, runs
 
 
-def test_trees_are_lossless_and_leave_the_accepted_path_in_the_cache(e2e):
-    _, _, _, plain, tree = e2e
+@pytest.mark.parametrize("kind", ["tree", "pruned"])
+def test_trees_are_lossless_and_leave_the_accepted_path_in_the_cache(e2e, kind):
+    _, _, _, plain, runs = e2e
+    tree = runs[kind]
     assert tree["tokens"] == plain["tokens"]
     stats = tree["trees"]
     # Trees were verified and some accepted paths left the top-1 chain; their keys/values
@@ -78,17 +103,27 @@ def test_trees_are_lossless_and_leave_the_accepted_path_in_the_cache(e2e):
     assert tree["cached_tokens"] > 0 and tree["cached_tokens"] == plain["cached_tokens"]
     for want, got in zip(plain["follow_up"], tree["follow_up"]):
         assert got == pytest.approx(want, abs=1e-3)
+    if kind == "pruned":
+        # The layers above the pruning layer ran without some nodes of most trees: those
+        # nodes were never accepted (their rows there hold nothing), the kept ones' keys and
+        # values were written at their own slots in every layer.
+        assert 0.1 < stats["nodes_pruned"] / stats["nodes_at_pruning"] < 0.9, stats
+    else:
+        assert stats["nodes_pruned"] == 0, stats
 
 
-def test_tree_acceptance_equals_the_reference_decoders(e2e):
-    # The same tree (8 nodes, top-2) decoded by the training side's reference decoder on
-    # the same prompts (the tree requests only): vLLM's tokens per step within 5%.
+@pytest.mark.parametrize("kind", ["tree", "pruned"])
+def test_tree_acceptance_equals_the_reference_decoders(e2e, kind):
+    # The same tree (8 nodes, top-2; pruned as in vLLM or not) decoded by the training
+    # side's reference decoder on the same prompts (the tree requests only): vLLM's tokens
+    # per step within 5%.
     import torch
 
     from vllm_specstream.training.evaluate import load_any
     from vllm_specstream.training.reference_decoder import speculative_generate
 
-    ckpt, tok, requests, _, tree = e2e
+    ckpt, tok, requests, _, runs = e2e
+    tree = runs[kind]
     model = load_any(ckpt).eval().to(torch.float32)
     tokens = steps = ref_tokens = ref_steps = 0
     for req, got, metrics in list(zip(requests, tree["tokens"], tree["per_request"]))[:8]:
@@ -96,7 +131,13 @@ def test_tree_acceptance_equals_the_reference_decoders(e2e):
             continue
         prompt = tok(req["prompt"], add_special_tokens=False).input_ids
         ref = speculative_generate(
-            model, prompt, 64, tok.eos_token_id, top_k=TOP_K, max_nodes=NODES
+            model,
+            prompt,
+            64,
+            tok.eos_token_id,
+            top_k=TOP_K,
+            max_nodes=NODES,
+            prune_threshold=PRUNE if kind == "pruned" else 0.0,
         )
         assert ref.tokens == got
         ref_tokens, ref_steps = ref_tokens + len(ref.tokens) - 1, ref_steps + ref.steps

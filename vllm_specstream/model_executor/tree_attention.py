@@ -118,25 +118,86 @@ def tree_attention_problem(impl) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
-#: The prefix indices of the current step, shared by every layer (one cache shape and layout).
-_prefix_indices: dict[tuple, tuple[Tensor, Tensor]] = {}
-_prefix_step: list[TreeStep | None] = [None]
+@dataclass(frozen=True)
+class _RedoPlan:
+    """Where one forward's node rows and their keys/values are, padded to one batch:
+    ``R`` tree requests, up to ``N`` nodes and ``C`` cached tokens each."""
+
+    node_rows: Tensor
+    """``[R, N]`` flat rows of the nodes (padding: the request's root row)."""
+    valid: Tensor
+    """``[R, N]`` bool: a real node."""
+    step_rows: Tensor
+    """``[R, 1 + N]`` flat rows of the root and nodes (padding: the root row)."""
+    prefix_k: Tensor
+    prefix_v: Tensor
+    """``[R, C, Hkv, D]`` flat cache indices of each request's cached tokens (padding: its
+    first token, masked)."""
+    step_k: Tensor | None
+    step_v: Tensor | None
+    """``[R, 1 + N, Hkv, D]`` cache indices of the root and nodes, for layers that get no
+    keys/values of their own (they share another layer's cache); else None."""
+    mask: Tensor
+    """``[R, N, C + 1 + N]`` bool: prefix, root, ancestors-or-self."""
 
 
-def _prefix_index(
-    step: TreeStep, layout: PagedKVLayout, block_table: Tensor, r: int, length: int, shape
-) -> tuple[Tensor, Tensor]:
-    """Flat cache indices of positions ``0..length-1`` of request ``r``, computed once per
-    step: the first layer builds them, the others reuse them."""
-    if _prefix_step[0] is not step:
-        _prefix_indices.clear()
-        _prefix_step[0] = step
-    key = (r, length, tuple(shape))
-    if key not in _prefix_indices:
-        _prefix_indices[key] = layout.position_indices(
-            shape[1], block_table[r], torch.arange(length)
+#: The plan of the current forward's layers (one cache shape and layout for all of them).
+_plans: dict[tuple, _RedoPlan | None] = {}
+
+
+def _redo_plan(
+    step: TreeStep, metadata, layout: PagedKVLayout, shape, from_cache: bool
+) -> _RedoPlan | None:
+    qsl = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    key = (id(step), tuple(qsl), tuple(seq_lens), tuple(shape), from_cache)
+    if key in _plans:
+        return _plans[key]
+    if len(_plans) > 8:  # a new step: the old plans go
+        _plans.clear()
+    trees = []
+    for tree in step.requests:
+        r = tree.req_index
+        start, end = qsl[r], qsl[r + 1]
+        n = min(len(tree.parents), end - start - 1)  # the scheduler may cut the drafts
+        if n > 0:
+            trees.append((r, start, n, seq_lens[r] - (end - start), tree.parents[:n]))
+    if not trees:
+        _plans[key] = None
+        return None
+    big_n = max(t[2] for t in trees)
+    big_c = max(t[3] for t in trees)
+    num = len(trees)
+    node_rows = torch.zeros(num, big_n, dtype=torch.long)
+    valid = torch.zeros(num, big_n, dtype=torch.bool)
+    step_rows = torch.zeros(num, 1 + big_n, dtype=torch.long)
+    prefix_pos = torch.zeros(num, big_c, dtype=torch.long)
+    step_pos = torch.zeros(num, 1 + big_n, dtype=torch.long)
+    mask = torch.zeros(num, big_n, big_c + 1 + big_n, dtype=torch.bool)
+    for i, (_, start, n, c, parents) in enumerate(trees):
+        node_rows[i] = start
+        node_rows[i, :n] = torch.arange(start + 1, start + 1 + n)
+        valid[i, :n] = True
+        step_rows[i] = start
+        step_rows[i, : 1 + n] = torch.arange(start, start + 1 + n)
+        prefix_pos[i, :c] = torch.arange(c)
+        step_pos[i, : 1 + n] = torch.arange(c, c + 1 + n)
+        mask[i, :, :c] = True
+        mask[i, :, big_c] = True  # the root (padded query rows see only it)
+        mask[i, :n, big_c + 1 : big_c + 1 + n] = tree_attention_mask(tuple(parents))
+    table = metadata.block_table[torch.tensor([t[0] for t in trees])]
+    h_kv = shape[1]
+    prefix_k, prefix_v = (
+        x.view(num, big_c, h_kv, -1) for x in layout.position_indices(h_kv, table, prefix_pos)
+    )
+    step_k = step_v = None
+    if from_cache:
+        step_k, step_v = (
+            x.view(num, 1 + big_n, h_kv, -1) for x in layout.position_indices(h_kv, table, step_pos)
         )
-    return _prefix_indices[key]
+    plan = _RedoPlan(node_rows, valid, step_rows, prefix_k, prefix_v, step_k, step_v, mask)
+    _plans[key] = plan
+    return plan
 
 
 def redo_tree_rows(
@@ -151,39 +212,34 @@ def redo_tree_rows(
     step: TreeStep,
 ) -> None:
     """Overwrite ``output`` (``[T, Hq, D]`` or ``[T, Hq * D]``) at the node rows of
-    ``step``'s requests; every other row keeps what is there."""
+    ``step``'s requests; every other row keeps what is there. All the step's trees in one
+    padded attention call (:func:`tree_rows_attention`'s arithmetic, batched)."""
     problem = tree_attention_problem(impl)
     if problem is not None:
         raise RuntimeError(f"specstream draft trees cannot run with {problem}")
-    out = output.view(output.shape[0], impl.num_heads, impl.head_size)
-    qsl = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
+    from_cache = key is None or value is None
     layout = PagedKVLayout.of_cache(kv_cache, layer.isa)
-    for tree in step.requests:
-        r = tree.req_index
-        start, end = qsl[r], qsl[r + 1]
-        n = min(len(tree.parents), end - start - 1)  # the scheduler may cut the drafts
-        if n <= 0:
-            continue
-        c = seq_lens[r] - (end - start)  # tokens cached before this step
-        # Layers sharing another layer's cache get no key/value: read the step from the cache.
-        last = c if key is not None and value is not None else c + 1 + n
-        k_idx, v_idx = _prefix_index(step, layout, metadata.block_table, r, last, kv_cache.shape)
-        k_cached, v_cached = torch.take(kv_cache, k_idx), torch.take(kv_cache, v_idx)
-        if last == c:
-            k_step, v_step = key[start : start + 1 + n], value[start : start + 1 + n]
-        else:
-            k_step, v_step = k_cached[c:], v_cached[c:]
-        rows = slice(start + 1, start + 1 + n)
-        out[rows] = tree_rows_attention(
-            query[rows],
-            k_cached[:c].to(query.dtype),
-            v_cached[:c].to(query.dtype),
-            k_step.to(query.dtype),
-            v_step.to(query.dtype),
-            tree.parents[:n],
-            impl.scale,
-        )
+    plan = _redo_plan(step, metadata, layout, kv_cache.shape, from_cache)
+    if plan is None:
+        return
+    out = output.view(output.shape[0], impl.num_heads, impl.head_size)
+    k_prefix, v_prefix = torch.take(kv_cache, plan.prefix_k), torch.take(kv_cache, plan.prefix_v)
+    if from_cache:
+        k_step, v_step = torch.take(kv_cache, plan.step_k), torch.take(kv_cache, plan.step_v)
+    else:
+        k_step, v_step = key[plan.step_rows], value[plan.step_rows]
+    q = query[plan.node_rows].float()  # [R, N, Hq, D]
+    k = torch.cat((k_prefix.float(), k_step.float()), dim=1)  # [R, C + 1 + N, Hkv, D]
+    v = torch.cat((v_prefix.float(), v_step.float()), dim=1)
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=plan.mask[:, None],
+        scale=impl.scale,
+        enable_gqa=True,  # query head h reads key/value head h // (Hq // Hkv)
+    ).transpose(1, 2)
+    out[plan.node_rows[plan.valid]] = attn[plan.valid].to(out.dtype)
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
