@@ -87,20 +87,23 @@ def stream_dtype_from(environ: Mapping[str, str]) -> str:
     return mode
 
 
-def draft_min_prob_from(environ: Mapping[str, str]) -> float:
-    text = environ.get(ENV_DRAFT_MIN_PROB, "").strip()
-    if not text:
-        return 0.0
+def _probability(name: str, text: str, meaning: str) -> float:
+    """``text`` of variable ``name`` as a probability in ``[0, 1)``; else a ConfigError that
+    says what the value means."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0.0 <= value < 1.0:
-        raise ConfigError(
-            f"{ENV_DRAFT_MIN_PROB}={text!r}: expected a probability in [0, 1) (0 turns the "
-            "confidence rule off)"
-        )
+        raise ConfigError(f"{name}={text!r}: expected a probability in [0, 1) {meaning}")
     return value
+
+
+def draft_min_prob_from(environ: Mapping[str, str]) -> float:
+    text = environ.get(ENV_DRAFT_MIN_PROB, "").strip()
+    if not text:
+        return 0.0
+    return _probability(ENV_DRAFT_MIN_PROB, text, "(0 turns the confidence rule off)")
 
 
 def tree_prune_from(environ: Mapping[str, str]) -> float | None:
@@ -109,18 +112,13 @@ def tree_prune_from(environ: Mapping[str, str]) -> float | None:
     text = environ.get(ENV_TREE_PRUNE, "").strip().lower()
     if not text:
         return None
-    if text in ("off", "0"):
+    if text == "off":
         return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(
-            f"{ENV_TREE_PRUNE}={text!r}: expected a probability in [0, 1) or 'off' (a draft "
-            "tree node is pruned when its early-exit probability is below it)"
-        )
-    return value
+    return _probability(
+        ENV_TREE_PRUNE,
+        text,
+        "or 'off' (a draft tree node is pruned when its early-exit probability is below it)",
+    )
 
 
 #: ``$SPECSTREAM_TREE_PRUNE`` set on a checkpoint without a pruning adapter.
