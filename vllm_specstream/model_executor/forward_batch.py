@@ -36,16 +36,11 @@ class ForwardBatch:
 def current_forward_batch(layer_name: str, positions: Tensor) -> ForwardBatch | None:
     """The batch of the running forward, from the metadata of attention layer ``layer_name``;
     None outside a real step (profiling and warm-up runs have no metadata)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.forward_context import is_forward_context_available
 
     if not is_forward_context_available():
         return None
-    metadata = get_forward_context().attn_metadata
-    if metadata is None:
-        return None
-    if isinstance(metadata, list):  # one dict per micro-batch (ubatching); not used on CPU
-        metadata = metadata[0]
-    m = metadata.get(layer_name) if isinstance(metadata, dict) else None
+    m = attn_metadata_of(layer_name)
     if m is None:
         return None
     num_reqs = m.seq_lens.shape[0]
@@ -58,13 +53,14 @@ def current_forward_batch(layer_name: str, positions: Tensor) -> ForwardBatch | 
 
 
 def attn_metadata_of(layer_name: str):
-    """vLLM's attention metadata of layer ``layer_name`` in the running forward."""
+    """vLLM's attention metadata of layer ``layer_name`` in the running forward (None: the
+    forward has none for it, e.g. a warm-up run)."""
     from vllm.forward_context import get_forward_context
 
     metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):
-        metadata = metadata[0]
-    return metadata[layer_name]
+    if isinstance(metadata, list):  # one dict per micro-batch (ubatching); not used on CPU
+        metadata = metadata[0] if metadata else None
+    return metadata.get(layer_name) if isinstance(metadata, dict) else None
 
 
 def no_forward_batch_reason(layer_name: str) -> str:

@@ -64,13 +64,14 @@ from vllm_specstream.model_executor.stream_forward import (
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
 from vllm_specstream.model_executor.tree_pruning import (
     attention_for_kept_rows,
+    kept_tree_step,
     node_keep_probs,
     prune_batch,
     prune_head_probs,
     pruned_metadata,
     scatter_rows,
 )
-from vllm_specstream.model_executor.tree_step import WORKER_TREES, depth_positions, kept_subtree
+from vllm_specstream.model_executor.tree_step import WORKER_TREES, depth_positions
 from vllm_specstream.options import (
     ENV_DRAFT_MIN_PROB,
     ENV_TREE_PRUNE,
@@ -358,8 +359,6 @@ class SpecStreamMixin:
         rows only. Returns ``(hidden, [residual stream entering L0])`` in the runner's
         row layout, like the decoder with its aux-hidden-state hook."""
         from vllm_specstream.model_executor.tree_attention import (
-            TreeRequest,
-            TreeStep,
             current_tree_step,
             set_tree_step,
         )
@@ -370,8 +369,8 @@ class SpecStreamMixin:
         residual = None
         num_rows = hidden.shape[0]
         msa_input = pruned = None
-        full_tree_step = current_tree_step()
         with contextlib.ExitStack() as stack:
+            stack.callback(set_tree_step, current_tree_step())  # the full trees, after
             for idx, layer in enumerate(decoder.layers):
                 if idx == self.prune_layer:
                     stream = hidden if residual is None else hidden + residual
@@ -389,21 +388,12 @@ class SpecStreamMixin:
                             attn_metadata_of(names[0]), pruned, attn, self._model_dtype
                         )
                         stack.enter_context(attention_for_kept_rows(names, metadata, pruned))
-                        set_tree_step(
-                            TreeStep(
-                                tuple(
-                                    TreeRequest(t.row, kept_subtree(t.parents, pruned.kept[t.row]))
-                                    for t in step.rows
-                                    if pruned.kept[t.row]
-                                )
-                            )
-                        )
+                        set_tree_step(kept_tree_step(step, pruned))
                 if idx == self.first_msa_layer:
                     msa_input = hidden if residual is None else hidden + residual
                     if pruned is not None:
                         msa_input = scatter_rows(msa_input, pruned.keep_rows, num_rows)
                 hidden, residual = layer(positions, hidden, residual)
-            set_tree_step(full_tree_step)
         hidden, _ = decoder.norm(hidden, residual)
         if pruned is not None:
             hidden = scatter_rows(hidden, pruned.keep_rows, num_rows)

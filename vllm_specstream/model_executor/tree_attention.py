@@ -61,6 +61,23 @@ def current_tree_step() -> TreeStep | None:
     return _step
 
 
+def masked_rows_attention(
+    query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
+) -> Tensor:
+    """``query`` ``[R, N, Hq, D]`` over ``keys``/``values`` ``[R, L, Hkv, D]`` where ``mask``
+    ``[R, N, L]`` allows; ``[R, N, Hq, D]`` in float32. Query head ``h`` uses key/value head
+    ``h // (Hq // Hkv)`` (no copies of the key/value heads)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(1, 2),
+        keys.float().transpose(1, 2),
+        values.float().transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
 def tree_rows_attention(
     query: Tensor,
     key_prefix: Tensor,
@@ -73,27 +90,21 @@ def tree_rows_attention(
     """Attention of a request's ``n`` node rows (``query`` ``[n, Hq, D]``) over its cached
     prefix (``[c, Hkv, D]``), its root and its own ancestors-or-self (``key_step`` /
     ``value_step`` ``[n + 1, Hkv, D]``: root, then nodes); ``[n, Hq, D]`` in the query's
-    dtype, computed in float32. Query head ``h`` uses key/value head ``h // (Hq // Hkv)``."""
-    n, h_q, _ = query.shape
+    dtype, computed in float32. The one-request form of what :func:`redo_tree_rows`
+    computes for a whole step."""
+    n = query.shape[0]
     if len(parents) != n or key_step.shape[0] != n + 1:
         raise ValueError(
             f"need n parents and n + 1 step keys for n = {n} node rows, got "
             f"{len(parents)} parents and {key_step.shape[0]} step keys"
         )
     c = key_prefix.shape[0]
-    group = h_q // key_step.shape[1]
-    k = torch.cat((key_prefix, key_step)).float().repeat_interleave(group, dim=1)
-    v = torch.cat((value_prefix, value_step)).float().repeat_interleave(group, dim=1)
     mask = torch.ones(n, c + 1 + n, dtype=torch.bool, device=query.device)
     mask[:, c + 1 :] = tree_attention_mask(tuple(parents), device=query.device)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.float().transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-    )
-    return out.transpose(0, 1).to(query.dtype)
+    keys = torch.cat((key_prefix.float(), key_step.float()))
+    values = torch.cat((value_prefix.float(), value_step.float()))
+    out = masked_rows_attention(query[None], keys[None], values[None], mask[None], scale)
+    return out[0].to(query.dtype)
 
 
 def tree_attention_problem(impl) -> str | None:
@@ -213,7 +224,7 @@ def redo_tree_rows(
 ) -> None:
     """Overwrite ``output`` (``[T, Hq, D]`` or ``[T, Hq * D]``) at the node rows of
     ``step``'s requests; every other row keeps what is there. All the step's trees in one
-    padded attention call (:func:`tree_rows_attention`'s arithmetic, batched)."""
+    padded :func:`masked_rows_attention` call."""
     problem = tree_attention_problem(impl)
     if problem is not None:
         raise RuntimeError(f"specstream draft trees cannot run with {problem}")
@@ -228,17 +239,13 @@ def redo_tree_rows(
         k_step, v_step = torch.take(kv_cache, plan.step_k), torch.take(kv_cache, plan.step_v)
     else:
         k_step, v_step = key[plan.step_rows], value[plan.step_rows]
-    q = query[plan.node_rows].float()  # [R, N, Hq, D]
-    k = torch.cat((k_prefix.float(), k_step.float()), dim=1)  # [R, C + 1 + N, Hkv, D]
-    v = torch.cat((v_prefix.float(), v_step.float()), dim=1)
-    attn = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=plan.mask[:, None],
-        scale=impl.scale,
-        enable_gqa=True,  # query head h reads key/value head h // (Hq // Hkv)
-    ).transpose(1, 2)
+    attn = masked_rows_attention(
+        query[plan.node_rows],  # [R, N, Hq, D]
+        torch.cat((k_prefix.float(), k_step.float()), dim=1),  # [R, C + 1 + N, Hkv, D]
+        torch.cat((v_prefix.float(), v_step.float()), dim=1),
+        plan.mask,
+        impl.scale,
+    )
     out[plan.node_rows[plan.valid]] = attn[plan.valid].to(out.dtype)
 
 

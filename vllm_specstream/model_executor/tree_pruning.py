@@ -176,6 +176,21 @@ def attention_for_kept_rows(layer_names: Sequence[str], metadata, pruned: Pruned
                 slots[name] = slot
 
 
+def kept_tree_step(step: StepTrees, pruned: PrunedBatch):
+    """The attention override's trees for the layers that run on the kept rows: each
+    request's kept subtree (requests that kept no node have no node rows there)."""
+    from vllm_specstream.model_executor.tree_attention import TreeRequest, TreeStep
+    from vllm_specstream.model_executor.tree_step import kept_subtree
+
+    return TreeStep(
+        tuple(
+            TreeRequest(t.row, kept_subtree(t.parents, pruned.kept[t.row]))
+            for t in step.rows
+            if pruned.kept[t.row]
+        )
+    )
+
+
 def scatter_rows(values: Tensor, keep_rows: Tensor, num_rows: int) -> Tensor:
     """``values`` ``[T', ...]`` of the kept rows back at their flat rows of ``num_rows``
     (pruned rows: zeros; nothing reads them)."""
@@ -188,6 +203,7 @@ __all__ = [
     "PrunedBatch",
     "attention_for_kept_rows",
     "kept_slots",
+    "kept_tree_step",
     "node_keep_probs",
     "prune_batch",
     "prune_head_probs",

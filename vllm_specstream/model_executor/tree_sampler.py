@@ -75,23 +75,22 @@ def verify_trees(
         start = cu_sampled[t.row] - (n + 1)
         rows = logits[start : start + n + 1]
         tokens = metadata.draft_token_ids[cu_drafts[t.row] - n : cu_drafts[t.row]]
-        parents = t.parents
+        parents, candidates = t.parents, tokens
         kept = step.kept.get(t.row)
         if kept is not None:  # pruned nodes were not computed above the pruning layer
-            parents = kept_subtree(t.parents, kept)
             index = torch.tensor(kept, dtype=torch.long)
+            parents, candidates = kept_subtree(t.parents, kept), tokens[index]
             rows = rows[torch.cat((index.new_zeros(1), index + 1))]
-            tokens = tokens[index]
         if sampling_temperature(sampling_metadata, t.row) > 0:
             probs = target_probs(rows, sampling_metadata, t.row)
             generator = sampling_metadata.generators.get(t.row)
-            nodes, bonus = tree_accept_sampled(parents, tokens.tolist(), probs, generator)
-            accepted = AcceptedPath(nodes, bonus)
+            nodes, bonus = tree_accept_sampled(parents, candidates.tolist(), probs, generator)
         else:
-            accepted = accept_row(parents, tokens, rows.argmax(dim=-1))
-        if kept is not None:
-            tokens = metadata.draft_token_ids[cu_drafts[t.row] - n : cu_drafts[t.row]]
-            accepted = AcceptedPath(tuple(kept[i] for i in accepted.nodes), accepted.bonus)
+            got = accept_row(parents, candidates, rows.argmax(dim=-1))
+            nodes, bonus = got.nodes, got.bonus
+        if kept is not None:  # back to the tree's node indices
+            nodes = tuple(kept[i] for i in nodes)
+        accepted = AcceptedPath(nodes, bonus)
         row_tokens = [int(tokens[i]) for i in accepted.nodes] + [accepted.bonus]
         step.anchor_offsets[t.row] = 1 + accepted.nodes[-1] if accepted.nodes else 0
         out[t.row] = (row_tokens, accepted.kv_moves(t.root_position))
