@@ -36,10 +36,11 @@ logger = init_logger(__name__)
 
 #: ``specstream-fixed`` drafts ``num_speculative_tokens`` at every batch size (adaptive policy
 #: off): the row that shows where speculation stops paying. ``specstream-tree`` drafts trees
-#: (``tree_top_k`` candidates per stream, ``tree_nodes`` nodes) verified inside vLLM, where the
-#: adaptive policy finds they pay; ``specstream-tree-fixed`` drafts them at every step, and
-#: ``specstream-tree-pruned`` too, pruned by the checkpoint's early-exit adapter (``tree_prune``;
-#: the other tree methods never prune).
+#: (``tree_top_k`` candidates per stream, up to ``tree_nodes`` nodes) verified inside vLLM, where
+#: the adaptive policy finds they pay (its width, and pruning where the checkpoint has an
+#: early-exit adapter, chosen per step); ``specstream-tree-fixed`` drafts the whole tree at every
+#: step, never pruned, and ``specstream-tree-pruned`` too, pruned by the checkpoint's early-exit
+#: adapter (``tree_prune``).
 #: ``plain-control`` is a second plain engine: its "speedup" is the run's noise floor
 #: (engines differ by a few percent from one start to the next on small VMs).
 METHODS = (
@@ -130,8 +131,8 @@ class BenchConfig:
     tree_nodes: int = 8
     """Draft tree nodes (its ``num_speculative_tokens``) of the tree methods."""
     tree_prune: str | None = None
-    """``$SPECSTREAM_TREE_PRUNE`` of ``specstream-tree-pruned`` (None: the checkpoint's
-    threshold)."""
+    """``$SPECSTREAM_TREE_PRUNE`` of ``specstream-tree-pruned`` and ``specstream-tree``
+    (None: the checkpoint's threshold)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -399,7 +400,7 @@ def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
     env.pop(ENV_TREE_PRUNE, None)
     if method in TREE_METHODS:
         env[ENV_TREE_TOP_K] = cfg.tree_top_k
-        if method != "specstream-tree-pruned":
+        if method == "specstream-tree-fixed":
             env[ENV_TREE_PRUNE] = "off"
         elif cfg.tree_prune is not None:
             env[ENV_TREE_PRUNE] = cfg.tree_prune

@@ -577,7 +577,8 @@ def _add_training_parsers(sub) -> None:
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
         "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off),"
         "specstream-tree (draft trees verified in vLLM where the adaptive policy finds they "
-        "pay: --tree-top-k, --tree-nodes),specstream-tree-fixed (trees at every step), "
+        "pay, their width and pruning chosen per step: --tree-top-k, --tree-nodes),"
+        "specstream-tree-fixed (the whole tree at every step, unpruned), "
         "specstream-tree-pruned (trees at every step, pruned by the checkpoint's early-exit "
         "adapter: --tree-prune) "
         "(default: all but plain-control, specstream-fixed and the tree methods; medusa only "
@@ -603,8 +604,9 @@ def _add_training_parsers(sub) -> None:
     )
     p.add_argument(
         "--tree-prune",
-        help="specstream-tree-pruned: early-exit pruning threshold (SPECSTREAM_TREE_PRUNE; "
-        "default: the checkpoint's prune.threshold); the other tree methods never prune",
+        help="specstream-tree-pruned and specstream-tree: early-exit pruning threshold "
+        "(SPECSTREAM_TREE_PRUNE; default: the checkpoint's prune.threshold, 'off': none); "
+        "specstream-tree-fixed never prunes",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each cell's prompts")

@@ -15,10 +15,16 @@ task, the prompts). The default policy weighs all three every step:
 * it drafts the ``k`` of highest expected speedup ``E[tokens | k] / cost(batch, k)``, or
   nothing where no ``k`` beats a plain step by ``margin``.
 
-In a tree engine the draft tree is one more choice, ``k = tree_nodes``: its tokens come from
-:class:`TreeStats` (what tree steps accepted, a full chain's estimate before), its cost from
-the tree steps this engine timed (a few probes measure it where the table's extrapolation
-says it does not pay), so trees run only where they beat the best chain on this CPU.
+In a tree engine each draft tree is one more choice (:class:`TreeChoice`): a prefix of the
+engine's template (:func:`tree_choices`: a few widths up to its node count), pruned by the
+early-exit head inside the verification forward or not where the checkpoint has one. Each
+tree's tokens come from its own :class:`TreeStats` (what its steps accepted; before that, a
+model of the template over the chains' acceptance: :func:`template_tokens`), its cost from
+the steps this engine timed with it; an untimed tree costs the table's chain of as many rows
+times the overhead the timed trees showed. While some tree is untimed at a batch size, one
+drafting step in ``tree_probe_every`` drafts the likeliest of them to time it (skipping
+those that would not come near the best choice once a tree's overhead is known), so trees,
+their width and pruning run only where they beat the best chain on this CPU.
 
 A user's batch-size schedule in vLLM's own format (``num_speculative_tokens_per_batch_size``,
 read with vLLM's validator in :mod:`vllm_specstream.vllm_schedule`) replaces the cost model.
@@ -37,6 +43,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from vllm_specstream.draft_trees import TreeTemplate
 from vllm_specstream.step_cost import StepCostTable
 
 
@@ -104,20 +111,79 @@ class AcceptanceStats:
         return tokens_per_step(self.accept_rates(), k)
 
 
+@dataclass(frozen=True)
+class TreeChoice:
+    """A draft tree for one step: the first ``nodes`` nodes of the engine's template (a
+    prefix of it is a tree), pruned by the early-exit head in the verification forward or not."""
+
+    nodes: int
+    prune: bool = False
+
+    def __str__(self) -> str:
+        return f"tree{self.nodes}" + ("-pruned" if self.prune else "")
+
+
+#: A step's drafts per request: 0 (none), a chain of that many, or a tree.
+Choice = int | TreeChoice
+
+
+def rows_of(choice: Choice) -> int:
+    """Draft rows per request a step of ``choice`` verifies."""
+    return choice.nodes if isinstance(choice, TreeChoice) else int(choice)
+
+
+def tree_widths(num_nodes: int, chain: int) -> list[int]:
+    """Tree sizes the policy weighs in an engine of ``num_nodes`` tree nodes and chains of
+    ``chain``: ``chain + 2``, then multiples of ``chain`` below ``num_nodes``, and
+    ``num_nodes`` (6, 8, 12, 16 for chains of 4 and 16 nodes: the paper's Figure 5 sizes)."""
+    sizes = {num_nodes}
+    sizes.update(m for m in (chain + 2, *range(2 * chain, num_nodes, chain)) if m < num_nodes)
+    return sorted(m for m in sizes if m > chain)
+
+
+def tree_choices(num_nodes: int, chain: int, prune: bool) -> tuple[TreeChoice, ...]:
+    """The trees of an engine: each width of :func:`tree_widths`, also pruned if ``prune``."""
+    return tuple(
+        TreeChoice(m, p)
+        for m in tree_widths(num_nodes, chain)
+        for p in ((False, True) if prune else (False,))
+    )
+
+
+#: Of the target's tokens the rank-``r`` stream candidate misses, the rank-``r + 1`` one
+#: is taken to catch this share (:func:`template_tokens`): with it, the top-2, 8-node tree
+#: accepts 1.36-1.49x the drafts of the full chain at the chain acceptance of the
+#: real-task adapters, as the reference decoder measured on them (1.46-1.50).
+RANK_CATCH = 0.5
+
+
+def template_tokens(depths, ranks, parents, rates: np.ndarray) -> float:
+    """Tokens a step yields per request with a tree of these nodes (bonus token included),
+    when chain draft ``j`` is accepted with probability ``rates[j - 1]``: a node is on the
+    accepted path with the product, over its path, of the top-1's conditional acceptance at
+    that depth, or for a rank-``r`` candidate ``(1 - that) * RANK_CATCH ** r``. Greedy
+    acceptance takes one child per node, so the expected path length is the nodes' sum."""
+    rates = np.asarray(rates, dtype=float)
+    prev = np.concatenate([[1.0], rates[:-1]])
+    cond = np.divide(rates, prev, out=np.zeros_like(rates), where=prev > 0)
+    on_path: list[float] = []
+    for depth, rank, parent in zip(depths, ranks, parents):
+        q = cond[depth - 1] if depth <= len(cond) else 0.0
+        p = q if rank == 0 else (1.0 - q) * RANK_CATCH**rank
+        on_path.append(p * (on_path[parent] if parent >= 0 else 1.0))
+    return 1.0 + float(sum(on_path))
+
+
 @dataclass
 class TreeStats:
-    """Running estimate of the drafts a tree step accepts per tree row.
+    """Running estimate of the drafts one tree choice's steps accept per tree row.
 
-    Before evidence a tree counts as ``prior_gain`` times the accepted drafts of a full
-    chain; the accepted path lengths of tree rows then take over (decayed counts).
+    Before evidence a tree counts as its prior (:func:`template_tokens`); the accepted path
+    lengths of its tree rows then take over (decayed counts).
     """
 
     decay: float = 0.98
-    """Per tree step (a window of ~50 of them)."""
-    prior_gain: float = 1.45
-    """Accepted drafts of the tree over the full chain's: the reference decoder on the
-    three real-task adapters with the top-2, 8-node template (SQL 1.46, E2E 1.50,
-    DialogSum 1.49; ``benchmarks/results/*/eval-specstream.json``)."""
+    """Per step of this tree (a window of ~50 of them)."""
     prior_weight: float = 4.0
     """The prior counts as this many tree rows."""
     rows: float = field(default=0.0, init=False)
@@ -130,10 +196,10 @@ class TreeStats:
         self.rows = self.rows * self.decay + len(accepted_drafts)
         self.accepted = self.accepted * self.decay + float(sum(accepted_drafts))
 
-    def expected_tokens(self, chain_tokens: float) -> float:
-        """Tokens a tree step yields per request, when a full chain would yield
-        ``chain_tokens`` (bonus token included in both)."""
-        prior = self.prior_gain * max(chain_tokens - 1.0, 0.0)
+    def expected_tokens(self, prior_tokens: float) -> float:
+        """Tokens a step of this tree yields per request, when the prior says
+        ``prior_tokens`` (bonus token included in both)."""
+        prior = max(prior_tokens - 1.0, 0.0)
         return 1.0 + (self.accepted + self.prior_weight * prior) / (self.rows + self.prior_weight)
 
 
@@ -163,21 +229,22 @@ class MeasuredCost:
     """
 
     table: StepCostTable
-    direct: frozenset[int] = frozenset()
-    """Draft lengths whose steps are of another kind than the table's (a tree's node
-    count): once timed, their own ratio to a plain step is used, and they stay out of the
-    correction of the others."""
+    direct: frozenset = frozenset()
+    """Choices whose steps are of another kind than the table's (the trees): once timed,
+    their own ratio to a plain step is used, and they stay out of the correction of the
+    chains; an untimed one costs the table's chain of as many rows times the median overhead
+    the timed ones showed over that (:meth:`tree_overhead`)."""
     window: int = 32
     """Step times kept per (bucket, draft length): medians follow the recent traffic."""
     min_samples: int = 6
     """Step times needed per (bucket, draft length) before they count."""
-    times: dict[tuple[int, int], deque] = field(default_factory=dict, init=False)
+    times: dict[tuple[int, Choice], deque] = field(default_factory=dict, init=False)
 
-    def record(self, batch_size: int, k: int, seconds: float) -> None:
+    def record(self, batch_size: int, k: Choice, seconds: float) -> None:
         key = (batch_bucket(batch_size), k)
         self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
-    def _median(self, bucket: int, k: int) -> float | None:
+    def _median(self, bucket: int, k: Choice) -> float | None:
         samples = self.times.get((bucket, k))
         if samples is None or len(samples) < self.min_samples:
             return None
@@ -193,30 +260,50 @@ class MeasuredCost:
             t / plain / self.table.ratio(bucket, k)
             for (b, k) in self.times
             if b == bucket
+            and isinstance(k, int)
             and k > 0
             and k not in self.direct
             and (t := self._median(bucket, k)) is not None
         ]
         return float(np.median(factors)) if factors else 1.0
 
-    def measured_ratio(self, batch_size: int, k: int) -> float | None:
+    def measured_ratio(self, batch_size: int, k: Choice) -> float | None:
         """Median step time with ``k`` drafts over a plain step's at this batch size's
         bucket (None before enough of both)."""
         bucket = batch_bucket(batch_size)
         plain, t = self._median(bucket, 0), self._median(bucket, k)
         return None if plain is None or t is None else t / plain
 
-    def ratio(self, batch_size: int, k: int) -> float:
-        if k <= 0:
+    def ratio(self, batch_size: int, k: Choice) -> float:
+        if k == 0:
             return 1.0
-        if k in self.direct and (own := self.measured_ratio(batch_size, k)) is not None:
-            return own
-        return self.table.ratio(batch_size, k) * self.correction(batch_size)
+        if k in self.direct:
+            own = self.measured_ratio(batch_size, k)
+            return (
+                own
+                if own is not None
+                else self._chain_like(batch_size, k) * self.tree_overhead(batch_size)
+            )
+        return self._chain_like(batch_size, k)
+
+    def _chain_like(self, batch_size: int, k: Choice) -> float:
+        """The table's ratio for a chain of as many rows, corrected by the measured steps."""
+        return self.table.ratio(batch_size, rows_of(k)) * self.correction(batch_size)
+
+    def tree_overhead(self, batch_size: int) -> float:
+        """Median, over the direct choices timed at this batch size's bucket, of their
+        measured ratio over a chain of as many rows (1.0 before any is timed)."""
+        factors = [
+            own / self._chain_like(batch_size, k)
+            for k in self.direct
+            if (own := self.measured_ratio(batch_size, k)) is not None
+        ]
+        return float(np.median(factors)) if factors else 1.0
 
     def needs_plain_steps(self, batch_size: int) -> bool:
         """Whether this bucket has drafting steps to compare but too few plain ones."""
         bucket = batch_bucket(batch_size)
-        drafted = any(b == bucket and k > 0 for (b, k) in self.times)
+        drafted = any(b == bucket and k != 0 for (b, k) in self.times)
         return drafted and self._median(bucket, 0) is None
 
 
@@ -235,8 +322,8 @@ class StepTimer:
 
     clock: Callable[[], float] = time.perf_counter
     last_time: float | None = field(default=None, init=False)
-    last_k: int = field(default=-1, init=False)
-    """Draft length of the step under way (-1: not one clean length)."""
+    last_k: Choice | None = field(default=None, init=False)
+    """Drafts of the step under way (None: not one clean choice)."""
     last_tokens: np.ndarray | None = field(default=None, init=False)
     last_ids: np.ndarray | None = field(default=None, init=False)
 
@@ -253,10 +340,16 @@ class StepTimer:
     def _same_batch(self, tokens: np.ndarray, token_ids_cpu) -> bool:
         """Whether the step since the last call was a decode step of the same batch."""
         n, last = len(tokens), self.last_tokens
-        if self.last_time is None or self.last_k < 0 or n == 0 or last is None or len(last) != n:
+        if (
+            self.last_time is None
+            or self.last_k is None
+            or n == 0
+            or last is None
+            or len(last) != n
+        ):
             return False
         grew = tokens - last
-        if not np.all((grew >= 1) & (grew <= self.last_k + 1)):
+        if not np.all((grew >= 1) & (grew <= rows_of(self.last_k) + 1)):
             return False
         ids = self._last_ids(token_ids_cpu, last, n)
         return ids is None or np.array_equal(ids, self.last_ids)
@@ -268,21 +361,22 @@ class StepTimer:
             return None
         return np.asarray(token_ids_cpu[np.arange(n), np.maximum(tokens - 1, 0)]).copy()
 
-    def proposed(self, drafted: int, streams: int) -> None:
-        """The call handed out drafts of length ``drafted`` (0: none) and asked for
-        ``streams`` streams in the next forward: a clean step when they agree."""
-        self.last_k = drafted if drafted == streams else -1
+    def proposed(self, drafted: Choice, streams: Choice) -> None:
+        """The call handed out drafts ``drafted`` (0: none) and asked for the streams of
+        ``streams`` in the next forward: a clean step when they agree."""
+        self.last_k = drafted if drafted == streams else None
 
 
 class CostModel(Protocol):
-    def ratio(self, batch_size: int, k: int) -> float:
+    def ratio(self, batch_size: int, k: Choice) -> float:
         """Cost of a step with ``k`` drafts per request at ``batch_size`` over a plain step."""
         ...
 
 
 @dataclass
 class DraftPolicy:
-    """Drafts per request for a step: the ``k <= k_max`` of highest expected speedup.
+    """Drafts per request for a step: the choice of highest expected speedup (a chain of
+    ``k <= k_max`` or one of ``trees``).
 
     Where the acceptance seen so far says drafting does not pay but the prior says it
     would, one step in ``probe_every`` still drafts (a probe) after halving the old
@@ -301,62 +395,73 @@ class DraftPolicy:
     and a request's prefill runs the streams at its last token. On Spider at batch 1 (AVX2)
     a 3% margin ran at 0.85x plain, this one at 0.95x (``benchmarks/README.md``)."""
     probe_every: int = 64
-    tree_nodes: int = 0
-    """Nodes of the engine's draft tree (0: chains only); drafting the tree is the choice
-    ``k = tree_nodes`` (more than ``k_max``)."""
-    tree_stats: TreeStats = field(default_factory=TreeStats)
+    template: TreeTemplate | None = None
+    """The engine's draft tree (None: chains only); each of ``trees`` is a prefix of it."""
+    trees: tuple[TreeChoice, ...] = ()
+    """The trees weighed each step (:func:`tree_choices`)."""
     tree_probe_every: int = 16
-    """While a tree step's cost at this batch size is not yet timed, one drafting step in
-    this many drafts the tree (it costs at most a few tenths of a step each)."""
+    """While some tree's cost at this batch size is not yet timed, one drafting step in
+    this many drafts one (it costs at most a few tenths of a step each)."""
+    probe_reach: float = 0.7
+    """Once a tree is timed at a batch size, an untimed one is probed there only if its
+    estimated speedup is at least this share of the best choice's."""
     calibrate_every: int = 16
     """While the batch's bucket has drafting step times but too few plain ones to compare
     (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing."""
+    tree_stats: dict[TreeChoice, TreeStats] = field(default_factory=dict, init=False)
     idle_steps: int = field(default=0, init=False)
     drafting_steps: int = field(default=0, init=False)
     chain_steps: int = field(default=0, init=False)
-    decisions: dict[int, int] = field(default_factory=dict, init=False)
-    """How many steps got each draft length (for :meth:`summary`)."""
+    decisions: dict[Choice, int] = field(default_factory=dict, init=False)
+    """How many steps got each choice (for :meth:`summary`)."""
+
+    def __post_init__(self) -> None:
+        if self.trees and self.template is None:
+            raise ValueError("a policy with trees needs their template")
+        self.tree_stats = {t: TreeStats() for t in self.trees}
 
     def summary(self, batch_size: int) -> str:
-        """One line: the draft lengths chosen so far, the acceptance estimate, and the cost
-        ratios the policy now uses at ``batch_size`` (for debug logs)."""
+        """One line: the choices made so far, the acceptance estimate, and the cost ratios
+        the policy now uses at ``batch_size`` (for debug logs)."""
         rates = " ".join(f"{r:.2f}" for r in self.stats.accept_rates())
-        costs = " ".join(f"{self.cost.ratio(batch_size, k):.2f}" for k in self.lengths())
-        chosen = " ".join(f"k{k}:{n}" for k, n in sorted(self.decisions.items()))
-        line = (
-            f"steps by draft length {chosen}; P(accept) {rates}; cost at batch {batch_size} {costs}"
+        costs = " ".join(
+            f"{_label(k)}:{self.cost.ratio(batch_size, k):.2f}" for k in self.lengths()
         )
-        if self.tree_nodes:
-            line += (
-                f" (k{self.tree_nodes}: the tree, "
-                f"{self.expected_tokens(self.tree_nodes):.2f} tokens per step expected)"
-            )
+        chosen = " ".join(f"{_label(k)}:{n}" for k, n in self.decisions.items())
+        line = f"steps by choice {chosen}; P(accept) {rates}; cost at batch {batch_size} {costs}"
+        if self.trees:
+            tokens = " ".join(f"{t}:{self.expected_tokens(t):.2f}" for t in self.trees)
+            line += f"; tokens per tree step expected {tokens}"
         if isinstance(self.cost, MeasuredCost):
             bucket = batch_bucket(batch_size)
             medians = {k: m for k in [0, *self.lengths()] if (m := self.cost._median(bucket, k))}
-            measured = " ".join(f"k{k}:{1e3 * m:.1f}" for k, m in medians.items())
+            measured = " ".join(f"{_label(k)}:{1e3 * m:.1f}" for k, m in medians.items())
             line += (
                 f" (table x {self.cost.correction(batch_size):.2f} from measured steps; "
                 f"median step ms {measured or 'none yet'})"
             )
         return line
 
-    def expected_tokens(self, k: int, rates: np.ndarray | None = None) -> float:
-        """Tokens per request of a step with ``k`` drafts (``tree_nodes``: the tree)."""
+    def expected_tokens(self, k: Choice, rates: np.ndarray | None = None) -> float:
+        """Tokens per request of a step of choice ``k``."""
         rates = self.stats.accept_rates() if rates is None else rates
-        if self.tree_nodes and k == self.tree_nodes:
-            return self.tree_stats.expected_tokens(tokens_per_step(rates, self.k_max))
+        if isinstance(k, TreeChoice):
+            t, n = self.template, k.nodes
+            prior = template_tokens(t.depths[:n], t.ranks[:n], t.parents[:n], rates)
+            return self.tree_stats[k].expected_tokens(prior)
         return tokens_per_step(rates, k)
 
-    def expected_speedup(self, batch_size: int, k: int, rates: np.ndarray | None = None) -> float:
+    def expected_speedup(
+        self, batch_size: int, k: Choice, rates: np.ndarray | None = None
+    ) -> float:
         return self.expected_tokens(k, rates) / self.cost.ratio(batch_size, k)
 
-    def lengths(self) -> list[int]:
-        """The choices that draft: chains of ``1..k_max`` and the tree if there is one."""
-        return list(range(1, self.k_max + 1)) + ([self.tree_nodes] if self.tree_nodes else [])
+    def lengths(self) -> list[Choice]:
+        """The choices that draft: chains of ``1..k_max`` and the trees."""
+        return [*range(1, self.k_max + 1), *self.trees]
 
-    def best_length(self, batch_size: int, rates: np.ndarray | None = None) -> int:
-        """The ``k`` of highest expected speedup under ``rates`` (default: the estimate);
+    def best_length(self, batch_size: int, rates: np.ndarray | None = None) -> Choice:
+        """The choice of highest expected speedup under ``rates`` (default: the estimate);
         0 unless it beats a plain step by ``margin``."""
         rates = self.stats.accept_rates() if rates is None else rates
         best_k, best = 0, 1.0 + self.margin
@@ -366,23 +471,24 @@ class DraftPolicy:
                 best_k, best = k, speedup
         return best_k
 
-    def draft_length(self, batch_size: int) -> int:
+    def draft_length(self, batch_size: int) -> Choice:
         k = self._draft_length(batch_size)
         self.decisions[k] = self.decisions.get(k, 0) + 1
         return k
 
-    def _draft_length(self, batch_size: int) -> int:
+    def _draft_length(self, batch_size: int) -> Choice:
         k = self.best_length(batch_size)
-        if k > 0:
+        if k != 0:
             self.idle_steps = 0
             if isinstance(self.cost, MeasuredCost) and self.cost.needs_plain_steps(batch_size):
                 self.drafting_steps += 1
                 if self.drafting_steps % self.calibrate_every == 0:
                     return 0  # a calibration step: a plain step's time at this batch size
-            if self._tree_untimed(batch_size) and k != self.tree_nodes:
+            probe = self._tree_to_time(batch_size, k)
+            if probe is not None and probe != k:
                 self.chain_steps += 1
                 if self.chain_steps % self.tree_probe_every == 0:
-                    return self.tree_nodes  # a tree probe: a tree step's time at this size
+                    return probe  # a tree probe: that tree's step time at this size
             return k
         prior_k = self.best_length(batch_size, self.stats.prior_rates())
         if prior_k == 0:
@@ -394,14 +500,29 @@ class DraftPolicy:
         self.stats.forget(0.5)
         return prior_k
 
-    def _tree_untimed(self, batch_size: int) -> bool:
-        """Whether the tree's step cost at this batch size is still the table's guess."""
-        return (
-            bool(self.tree_nodes)
-            and isinstance(self.cost, MeasuredCost)
-            and self.tree_nodes in self.cost.direct
-            and self.cost.measured_ratio(batch_size, self.tree_nodes) is None
-        )
+    def _tree_to_time(self, batch_size: int, best: Choice) -> TreeChoice | None:
+        """The untimed tree to probe at this batch size (None: none is worth it): the one of
+        highest estimated speedup; once a tree is timed here (its overhead known), only one
+        within ``probe_reach`` of the best choice's."""
+        if not isinstance(self.cost, MeasuredCost):
+            return None
+        untimed = [
+            t
+            for t in self.trees
+            if t in self.cost.direct and self.cost.measured_ratio(batch_size, t) is None
+        ]
+        if not untimed:
+            return None
+        speedup = {t: self.expected_speedup(batch_size, t) for t in untimed}
+        probe = max(untimed, key=speedup.__getitem__)
+        reach = self.probe_reach * self.expected_speedup(batch_size, best)
+        if len(untimed) < len(self.trees) and speedup[probe] < reach:
+            return None
+        return probe
+
+
+def _label(k: Choice) -> str:
+    return str(k) if isinstance(k, TreeChoice) else f"k{k}"
 
 
 def lookup_length(lookup: Sequence[int], batch_size: int) -> int:

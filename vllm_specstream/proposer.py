@@ -21,10 +21,14 @@ from vllm_specstream.model_executor.tree_step import WORKER_TREES, tree_problem
 from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import (
     AcceptanceStats,
+    Choice,
     DraftPolicy,
     MeasuredCost,
     StepTimer,
+    TreeChoice,
     lookup_length,
+    rows_of,
+    tree_choices,
 )
 from vllm_specstream.step_cost import table_for
 
@@ -148,6 +152,8 @@ class SpecStreamProposer:
         self._chain_reasons: set[str] = set()
         #: Batch rows that got a tree in this call (the chain estimate leaves them out).
         self._tree_rows: set[int] = set()
+        #: The tree those rows got (its estimate takes their accepted paths next call).
+        self._filed_tree: TreeChoice | None = None
 
     def load_model(self, target_model) -> None:
         # Stored as `target`, not `model`: vLLM probes `drafter.model` in some paths.
@@ -161,19 +167,20 @@ class SpecStreamProposer:
         self.target = target_model
         self.tree = getattr(target_model, "tree", None)
         if self.tree is not None and self.policy is not None:
-            # Chains of up to num_streams drafts, or the whole tree (k = its node count).
+            # Chains of up to num_streams drafts, or a tree: a prefix of the template of
+            # one of a few widths, pruned or not where the model prunes.
             chain = min(self.k, self.tree.num_streams)
-            branches = self.tree.num_nodes > chain
+            prunes = getattr(target_model, "prune_threshold", 0.0) > 0
             self.policy = DraftPolicy(
                 chain,
                 None,
                 AcceptanceStats(chain),
-                tree_nodes=self.tree.num_nodes if branches else 0,
+                template=self.tree,
+                trees=tree_choices(self.tree.num_nodes, chain, prunes),
             )
         if self.policy is not None and self.policy.cost is None:
             table, note = table_for(placement)
-            tree = {self.policy.tree_nodes} - {0}
-            self.policy.cost = MeasuredCost(table, direct=frozenset(tree))
+            self.policy.cost = MeasuredCost(table, direct=frozenset(self.policy.trees))
             logger.info(
                 "specstream drafts up to %d per request, as many as pay on this CPU (placement "
                 "%s, step cost table: %s%s; set num_speculative_tokens_per_batch_size to fix "
@@ -184,7 +191,7 @@ class SpecStreamProposer:
                 f"; {note}" if note else "",
             )
 
-    def draft_length(self, batch_size: int) -> int:
+    def draft_length(self, batch_size: int) -> Choice:
         """Drafts per request for a step of ``batch_size`` requests."""
         if self.lookup is not None:
             return lookup_length(self.lookup, batch_size)
@@ -197,6 +204,7 @@ class SpecStreamProposer:
         self._tree_rows = set()
         if self.policy is not None:
             chain_sampled = self._record_tree_rows(sampled_token_ids)
+            self._filed_tree = None
             self.policy.stats.record_verified(chain_sampled)
             self.step_timer.record(
                 self.policy.cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
@@ -206,7 +214,9 @@ class SpecStreamProposer:
         if self.policy is not None and self.calls % SUMMARY_EVERY == 0:
             logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
         # The next forward's window streams (if placed there).
-        self.target.window_streams = k if self.tree is None else min(k, self.tree.num_streams)
+        self.target.window_streams = (
+            k if self.tree is None else min(rows_of(k), self.tree.num_streams)
+        )
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
         else:
@@ -220,9 +230,9 @@ class SpecStreamProposer:
             self.policy.stats.record_proposed(
                 [[] if r in trees else d for r, d in enumerate(drafts)] if trees else drafts
             )
-            # A step's time is filed under the tree's node count only if it verified trees.
-            if self.tree is not None and k > self.tree.num_streams and not trees:
-                k = self.tree.num_streams
+            # A step's time is filed under a tree only if it verified trees.
+            if isinstance(k, TreeChoice) and not trees:
+                k = min(k.nodes, self.tree.num_streams)
             self.step_timer.proposed(k if any(drafts) else 0, k)
         return drafts
 
@@ -233,7 +243,9 @@ class SpecStreamProposer:
         rows = {t.row for t in step.rows if t.row < len(sampled_token_ids)} if step else set()
         if not rows:
             return sampled_token_ids
-        self.policy.tree_stats.record([max(len(sampled_token_ids[r]) - 1, 0) for r in rows])
+        stats = self.policy.tree_stats.get(self._filed_tree)
+        if stats is not None:
+            stats.record([max(len(sampled_token_ids[r]) - 1, 0) for r in rows])
         return [[] if r in rows else s for r, s in enumerate(sampled_token_ids)]
 
     def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
@@ -282,32 +294,38 @@ class SpecStreamProposer:
 
     def _tree_drafts(self, stash, k, rows, indices, num_rows):
         """Drafts of a tree engine: a request's last accepted token is the deepest accepted
-        node of its tree, wherever the tree put it; eligible requests get the tree when the
-        policy chose it (``k`` = its node count; with a fixed schedule: a full chain's
-        budget), the others a chain. The trees are filed for the next step's verification."""
+        node of its tree, wherever the tree put it; eligible requests get a tree when the
+        policy chose one (``k``, a :class:`TreeChoice`; with a fixed schedule, ``k`` beyond
+        ``num_streams``: the first ``k`` nodes of the tree, pruned where the model prunes),
+        the others a chain.
+        The trees are filed for the next step's verification, and the model told whether to
+        prune them."""
         self.target.draft_at(stash, rows, indices, 0)
         chains = drafts_at(
-            num_rows, rows, indices, stash.draft_table, min(k, self.tree.num_streams)
+            num_rows, rows, indices, stash.draft_table, min(rows_of(k), self.tree.num_streams)
         )
         runner = WORKER_TREES.runner()
         req_ids = list(runner.input_batch.req_ids[:num_rows]) if runner is not None else []
         parents: list[tuple[int, ...] | None] = [None] * num_rows
         if self.policy is not None:
-            tree = bool(self.policy.tree_nodes) and k == self.policy.tree_nodes
+            choice = k if isinstance(k, TreeChoice) else None
         else:
-            tree = k >= self.tree.num_streams
-        full = tree and len(req_ids) == num_rows
-        for r, idx in zip(rows, indices) if full else ():
+            nodes = min(k, self.tree.num_nodes)
+            choice = TreeChoice(nodes, prune=True) if k > self.tree.num_streams else None
+        eligible = choice is not None and len(req_ids) == num_rows
+        for r, idx in zip(rows, indices) if eligible else ():
             why = tree_problem(runner.requests[req_ids[r]].sampling_params)
             if why is not None:
                 if why not in self._chain_reasons:
                     self._chain_reasons.add(why)
                     logger.info("specstream drafts chains for requests with %s", why)
                 continue
-            chains[r] = fill_tree(self.tree, stash.draft_topk[idx]).tolist()
-            parents[r] = self.tree.parents
+            chains[r] = fill_tree(self.tree, stash.draft_topk[idx])[: choice.nodes].tolist()
+            parents[r] = self.tree.parents[: choice.nodes]
             self._tree_rows.add(r)
         WORKER_TREES.book.file(req_ids, chains, parents)
+        self._filed_tree = choice if self._tree_rows else None
+        self.target.prune_trees = choice is not None and choice.prune
         return chains, "the streams left no draft at any request's anchor"
 
 

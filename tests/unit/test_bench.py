@@ -209,12 +209,15 @@ def test_trees_are_the_tree_methods_only(dirs, monkeypatch):
     assert engine_env(cfg, "specstream-tree-fixed")["SPECSTREAM_TREE_TOP_K"] == "2,2,1,1"
     assert fixed["num_speculative_tokens"] == 6
     assert fixed != speculative_config_for("specstream-tree", cfg)
-    # only the pruned variant prunes: the others say so (a checkpoint may carry a threshold)
+    # the fixed variant never prunes (a checkpoint may carry a threshold); the pruned one and
+    # the adaptive one (whose policy chooses per step) take the bench's threshold, else the
+    # checkpoint's, never the user's shell
     monkeypatch.setenv("SPECSTREAM_TREE_PRUNE", "0.2")
     assert "SPECSTREAM_TREE_PRUNE" not in engine_env(cfg, "specstream")
-    assert engine_env(cfg, "specstream-tree")["SPECSTREAM_TREE_PRUNE"] == "off"
     assert engine_env(cfg, "specstream-tree-fixed")["SPECSTREAM_TREE_PRUNE"] == "off"
     assert "SPECSTREAM_TREE_PRUNE" not in engine_env(cfg, "specstream-tree-pruned")
+    assert "SPECSTREAM_TREE_PRUNE" not in engine_env(cfg, "specstream-tree")
     pruned = BenchConfig(checkpoint=str(ckpt), tree_prune="0.05")
     assert engine_env(pruned, "specstream-tree-pruned")["SPECSTREAM_TREE_PRUNE"] == "0.05"
+    assert engine_env(pruned, "specstream-tree")["SPECSTREAM_TREE_PRUNE"] == "0.05"
     assert speculative_config_for("specstream-tree-pruned", cfg) == fixed

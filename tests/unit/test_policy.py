@@ -23,10 +23,16 @@ from vllm_specstream.policy import (
     DraftPolicy,
     MeasuredCost,
     StepTimer,
+    TreeChoice,
     TreeStats,
     batch_bucket,
     confident_drafts,
     lookup_length,
+    rows_of,
+    template_tokens,
+    tokens_per_step,
+    tree_choices,
+    tree_widths,
 )
 from vllm_specstream.proposer import SpecStreamProposer, drafts_at
 from vllm_specstream.step_cost import TABLES, StepCostTable, table_for
@@ -329,79 +335,147 @@ def test_step_timer_files_only_decode_steps_of_one_batch():
     }
 
 
-def test_tree_estimate_starts_at_the_chains_and_follows_tree_rows():
-    tree = TreeStats(decay=1.0, prior_gain=1.5, prior_weight=4.0)
-    assert tree.expected_tokens(2.0) == pytest.approx(2.5)  # 1 + 1.5 x 1 accepted draft
+def test_trees_weighed_are_template_prefixes_of_a_few_widths():
+    assert tree_widths(16, 4) == [6, 8, 12, 16]  # the paper's Figure 5 sizes
+    assert tree_widths(8, 4) == [6, 8]
+    assert tree_widths(6, 4) == [6] and tree_widths(5, 4) == [5]
+    assert tree_widths(9, 3) == [5, 6, 9]
+    assert tree_choices(8, 4, prune=False) == (TreeChoice(6), TreeChoice(8))
+    assert tree_choices(6, 4, prune=True) == (TreeChoice(6), TreeChoice(6, prune=True))
+    assert str(TreeChoice(8, prune=True)) == "tree8-pruned" and rows_of(TreeChoice(6)) == 6
+    assert rows_of(3) == 3
+
+
+def test_tree_prior_sums_the_chance_each_node_is_on_the_accepted_path():
+    from vllm_specstream.draft_trees import tree_template
+
+    rates = np.array([0.5, 0.25])  # the top-1 accepted with 1/2 at each depth
+    t = tree_template(2, 2)  # (0), (0,0), (1), then (0,1), (1,0), (1,1)
+    assert t.rank_path(2) == (1,) and t.num_nodes == 6
+
+    def prior(n):
+        return template_tokens(t.depths[:n], t.ranks[:n], t.parents[:n], rates)
+
+    assert prior(2) == pytest.approx(tokens_per_step(rates, 2))  # the chain: 1.75
+    # (1) catches half of what (0) misses: 0.25; (0,1) 0.5 x 0.25; (1,0) 0.25 x 0.5;
+    # (1,1) 0.25 x 0.25.
+    assert prior(3) == pytest.approx(1.75 + 0.25)
+    assert prior(6) == pytest.approx(1.75 + 0.25 + 0.125 + 0.125 + 0.0625)
+    # The top-2, 8-node tree over the full chain at a real-task adapter's acceptance: about
+    # the gain the reference decoder measured on them (1.46-1.50).
+    t8 = tree_template(4, 2, max_nodes=8)
+    low = np.array([0.55, 0.3, 0.15, 0.07])
+    gain = (template_tokens(t8.depths, t8.ranks, t8.parents, low) - 1) / low.sum()
+    assert 1.4 < gain < 1.55
+
+
+def test_tree_estimate_starts_at_its_prior_and_follows_tree_rows():
+    tree = TreeStats(decay=1.0, prior_weight=4.0)
+    assert tree.expected_tokens(2.5) == pytest.approx(2.5)
     tree.record([])  # a step without tree rows changes nothing
-    assert tree.expected_tokens(2.0) == pytest.approx(2.5)
+    assert tree.expected_tokens(2.5) == pytest.approx(2.5)
     tree.record([3, 3, 3, 3] * 25)  # 100 tree rows keeping 3 drafts each
-    assert tree.expected_tokens(2.0) == pytest.approx(1 + (300 + 6) / 104)
+    assert tree.expected_tokens(2.5) == pytest.approx(1 + (300 + 6) / 104)
 
 
-def _tree_policy(tree_s: float, chain_s: float = 0.07, tree_kept: int = 3, **kw) -> DraftPolicy:
-    """k_max 4 and an 8-node tree; plain steps 0.05 s, chains of 4 ``chain_s``, the tree
-    ``tree_s``; chains accept 30/10/3/1 in 100, trees keep ``tree_kept`` drafts."""
+T6, T8, T8P = TreeChoice(6), TreeChoice(8), TreeChoice(8, prune=True)
+
+
+def _tree_policy(trees: dict, chain_s: float = 0.07, **kw) -> DraftPolicy:
+    """k_max 4; trees of 6 and 8 nodes (8 also pruned) of the top-2 template; plain steps
+    0.05 s, chains of 4 ``chain_s``; chains accept 60/40/20/10 in 100 (2.3 tokens per step
+    with k = 4). ``trees`` maps a tree to (its step seconds, 0: untimed; the drafts its rows
+    keep, None: no evidence)."""
+    from vllm_specstream.draft_trees import tree_template
+
     stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
     stats.proposed[:] = 100
-    stats.accepted[:] = [60, 40, 20, 10]  # 2.3 tokens per step with k = 4
-    cost = MeasuredCost(TABLE, direct=frozenset({8}), min_samples=4)
+    stats.accepted[:] = [60, 40, 20, 10]
+    cost = MeasuredCost(TABLE, direct=frozenset((T6, T8, T8P)), min_samples=4)
     for _ in range(4):
         cost.record(1, 0, 0.05)
         cost.record(1, 4, chain_s)
-        if tree_s:
-            cost.record(1, 8, tree_s)
-    policy = DraftPolicy(4, cost, stats, tree_nodes=8, **kw)
-    policy.tree_stats.record([tree_kept] * 100)
+        for tree, (seconds, _) in trees.items():
+            if seconds:
+                cost.record(1, tree, seconds)
+    template = tree_template(4, 2, max_nodes=8)
+    policy = DraftPolicy(4, cost, stats, template=template, trees=(T6, T8, T8P), **kw)
+    for tree, (_, kept) in trees.items():
+        if kept is not None:
+            policy.tree_stats[tree].record([kept] * 100)
     return policy
 
 
-def test_policy_drafts_the_tree_only_where_its_measured_steps_pay():
-    # Chains: 2.3 tokens for 1.4 plain steps (1.64x). Tree: 4 tokens for 2 steps (2.0x).
-    cheap = _tree_policy(tree_s=0.10)
-    assert cheap.cost.ratio(1, 8) == pytest.approx(2.0)  # its own time, not the table's
-    assert cheap.cost.correction(1) == pytest.approx(1.4 / 1.3)  # chains alone correct it
-    assert cheap.best_length(1) == 8
-    # The same tree at 3.2 plain steps (as measured on an AVX2 CPU): 1.25x, chains win.
-    assert _tree_policy(tree_s=0.16).best_length(1) == 4
-    # A tree that keeps no more than the chain does not pay for its extra rows.
-    assert _tree_policy(tree_s=0.10, tree_kept=1).best_length(1) == 4
-    assert "k8: the tree" in cheap.summary(1)
+def test_policy_weighs_tree_width_and_pruning_by_their_measured_steps():
+    # Chains of 4: 2.3 tokens for 1.4 plain steps (1.64x).
+    # The 8-node tree: 4 tokens for 2 plain steps (2.0x) beats the 6-node one (3.5 / 1.8)
+    # and the pruned one (4 / 2.4).
+    wide = _tree_policy({T6: (0.09, 2.5), T8: (0.10, 3), T8P: (0.12, 3)})
+    assert wide.cost.ratio(1, T8) == pytest.approx(2.0)  # its own time, not the table's
+    assert wide.cost.correction(1) == pytest.approx(1.4 / 1.3)  # chains alone correct it
+    assert wide.best_length(1) == T8
+    assert "tree8-pruned:" in wide.summary(1) and "k4:" in wide.summary(1)
+    # Pruning that keeps most accepted nodes and saves rows: 3.9 / 1.7 (2.29x).
+    assert _tree_policy({T6: (0.09, 2.5), T8: (0.10, 3), T8P: (0.085, 2.9)}).best_length(1) == T8P
+    # A narrower tree that keeps almost as much: 3.6 / 1.5 (2.4x).
+    assert _tree_policy({T6: (0.075, 2.6), T8: (0.10, 3), T8P: (0.12, 3)}).best_length(1) == T6
+    # Trees at 3.2 plain steps (as measured on an AVX2 CPU at batch 16): chains win.
+    assert _tree_policy({T6: (0.16, 2.6), T8: (0.16, 3), T8P: (0.16, 3)}).best_length(1) == 4
+    # Trees that keep no more than the chain do not pay for their extra rows.
+    assert _tree_policy({T6: (0.08, 1), T8: (0.10, 1), T8P: (0.09, 1)}).best_length(1) == 4
 
 
-def test_policy_probes_the_tree_until_its_step_is_timed():
-    # Untimed, the tree costs the table's extrapolation (2 x 1.3 x 1.4/1.3 = 2.8 plain
-    # steps: 1.43x); chains win, and one chain step in four drafts the tree to time it.
-    policy = _tree_policy(tree_s=0, tree_probe_every=4)
+def test_policy_probes_the_likeliest_untimed_tree_and_stops_where_none_would_pay():
+    # Untimed, a tree costs the table's chain of as many rows (6 rows: 1.95 x 1.4/1.3 = 2.1
+    # plain steps; 8 rows 2.8): the 6-node tree's prior gives it the best estimate of the
+    # trees, but chains win; one chain step in four drafts it to time it.
+    policy = _tree_policy({}, tree_probe_every=4)
     assert policy.best_length(1) == 4
-    lengths = [policy.draft_length(1) for _ in range(8)]
-    assert lengths == [4, 4, 4, 8] * 2
+    assert policy.expected_speedup(1, T6) > policy.expected_speedup(1, T8)
+    assert [policy.draft_length(1) for _ in range(8)] == [4, 4, 4, T6] * 2
+    # Timed dear (3.2 plain steps: 1.5x the table's guess): the untimed 8-node trees now
+    # cost that overhead too, far below the chains' speedup: no more probes.
     for _ in range(4):
-        policy.cost.record(1, 8, 0.16)  # timed: 3.2 plain steps, no more probes
-    assert [policy.draft_length(1) for _ in range(8)] == [4] * 8
-    # An engine without a tree never drafts one.
-    chains = _tree_policy(tree_s=0, tree_probe_every=1)
-    chains.tree_nodes = 0
+        policy.cost.record(1, T6, 0.16)
+    assert policy.cost.tree_overhead(1) == pytest.approx(3.2 / 2.1)
+    assert [policy.draft_length(1) for _ in range(16)] == [4] * 16
+    # Timed cheap (1.4 plain steps), the 8-node trees come within reach of the best (1.48x
+    # against 1.86x): they are probed.
+    cheap = _tree_policy({T6: (0.07, None)}, tree_probe_every=4)
+    assert cheap.best_length(1) == T6
+    probes = [cheap.draft_length(1) for _ in range(8)]
+    assert probes == [T6, T6, T6, T8] * 2 or probes == [T6, T6, T6, T8P] * 2
+    # An engine without trees never drafts one.
+    chains = _tree_policy({}, tree_probe_every=1)
+    chains.trees = ()
     assert set(chains.draft_length(1) for _ in range(8)) == {4}
 
 
-def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch):
-    """The proposer of a tree engine: the tree where the policy chooses it, chains
-    otherwise; tree rows' path lengths feed the tree estimate, not the chain one."""
+TOPK = torch.tensor([[11, 21], [12, 22], [13, 23], [14, 24]])
+
+
+class _TreeTarget(_Target):
+    """A tree engine's model: the top-2, 8-node template, the streams' top-2 ``TOPK``."""
+
+    prune_threshold = 0.0
+
+    def __init__(self, n):
+        from vllm_specstream.draft_trees import tree_template
+
+        super().__init__(n)
+        self.tree = tree_template(4, 2, max_nodes=8)
+        self.prune_trees = True
+        self.stash.draft_topk = TOPK.expand(n, 4, 2)
+
+
+@pytest.fixture
+def tree_rows(monkeypatch):
+    """Two requests: ``a`` greedy, ``b`` asking for logprobs (so it drafts chains)."""
     import weakref
 
     from vllm import SamplingParams
 
-    from vllm_specstream.draft_trees import tree_template
-    from vllm_specstream.model_executor.tree_step import WORKER_TREES, RowTree, StepTrees
-
-    tree = tree_template(4, 2, max_nodes=8)
-    topk = torch.tensor([[11, 21], [12, 22], [13, 23], [14, 24]])
-
-    class TreeTarget(_Target):
-        def __init__(self, n):
-            super().__init__(n)
-            self.tree = tree
-            self.stash.draft_topk = topk.expand(n, 4, 2)
+    from vllm_specstream.model_executor.tree_step import WORKER_TREES
 
     class Runner:  # the rows' request ids and sampling parameters
         input_batch = SimpleNamespace(req_ids=["a", "b"])
@@ -413,33 +487,83 @@ def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch):
     runner = Runner()
     monkeypatch.setattr(WORKER_TREES, "_runner", weakref.ref(runner))
     monkeypatch.setattr(WORKER_TREES, "step", None)
-    proposer = SpecStreamProposer(_vllm_config(8))
-    proposer.load_model(TreeTarget(2))
-    assert (proposer.policy.k_max, proposer.policy.tree_nodes) == (4, 8)
-    assert proposer.policy.cost.direct == {8}
-    proposer.policy.cost = TABLE  # the tree: 2.6 plain steps, chains of 4 1.3
+    return runner
+
+
+def _tree_proposer(vllm_config):
+    proposer = SpecStreamProposer(vllm_config)
+    proposer.load_model(_TreeTarget(2))
 
     def propose(sampled):
-        proposer.target.stash = TreeTarget(2).stash
+        proposer.target.stash = _TreeTarget(2).stash
         return proposer.propose(sampled, np.full(2, 7), None)
 
-    # The prior: chains 2.77 tokens / 1.3, the tree 3.57 / 2.6: chains, no tree filed.
+    return proposer, propose
+
+
+def test_tree_engine_schedule_gives_node_counts_beyond_the_chain(tree_rows):
+    # A fixed schedule in a tree engine: up to num_streams drafts a chain, beyond it the
+    # first k nodes of the tree (pruned where the model prunes).
+    from vllm_specstream.model_executor.tree_step import WORKER_TREES
+
+    full = [11, 12, 13, 14, 21, 22, 12, 22]
+    for k, want in ((3, [11, 12, 13]), (4, [11, 12, 13, 14]), (6, full[:6]), (8, full)):
+        proposer, propose = _tree_proposer(_vllm_config(8, [(1, 64, k)]))
+        drafts = propose([[1], [1]])
+        assert drafts[0] == want and drafts[1] == want[:4]
+        filed = WORKER_TREES.book.take()
+        assert (list(filed) == ["a"]) == (k > 4)
+        assert proposer.target.prune_trees == (k > 4)
+
+
+def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch, tree_rows):
+    """The proposer of a tree engine: the tree the policy chooses (a prefix of the template,
+    pruned or not), chains otherwise; tree rows' path lengths feed that tree's estimate,
+    not the chain one."""
+    from vllm_specstream.model_executor.tree_step import WORKER_TREES, RowTree, StepTrees
+
+    proposer, propose = _tree_proposer(_vllm_config(8))
+    tree = proposer.tree
+    assert proposer.policy.k_max == 4 and proposer.policy.trees == (T6, T8)
+    assert proposer.policy.cost.direct == {T6, T8}
+    # A model that prunes its trees: each width also pruned.
+    pruning = SpecStreamProposer(_vllm_config(8))
+    target = _TreeTarget(2)
+    target.prune_threshold = 0.01
+    pruning.load_model(target)
+    assert pruning.policy.trees == (T6, TreeChoice(6, True), T8, T8P)
+
+    # The priors: no tree beats the chains at the table's costs; no tree filed.
+    proposer.policy.cost = MeasuredCost(TABLE, direct=frozenset((T6, T8)))
     assert propose([[1], [1]]) == [[11, 12, 13, 14]] * 2
     assert WORKER_TREES.book.take() == {}
-    # vLLM kept none of those drafts, and trees are seen to keep 4: now the tree pays.
-    proposer.policy.tree_stats.record([4] * 100)
+    # vLLM kept none of those drafts, and 8-node trees are seen to keep 4: they pay.
+    proposer.policy.tree_stats[T8].record([4] * 100)
+    proposer.policy.tree_stats[T6].record([1] * 100)
     drafts = propose([[1], [1]])
     assert drafts[0] == [11, 12, 13, 14, 21, 22, 12, 22]  # fill_tree: the chain first
     assert drafts[1] == [11, 12, 13, 14]  # logprobs: a chain beside the tree
     assert proposer._tree_rows == {0} and list(WORKER_TREES.book.take()) == ["a"]
+    assert proposer.target.prune_trees is False  # an unpruned choice
     # The next call reads what the step kept: the tree row its path, the chain row its
-    # drafts; only the chain row's drafts enter the chain estimate.
+    # drafts; only the chain row's drafts enter the chain estimate, the path the 8-node
+    # tree's.
     monkeypatch.setattr(WORKER_TREES, "step", StepTrees((RowTree(0, tree.parents, 6),)))
-    rows_before = proposer.policy.tree_stats.rows
+    tree_stats = proposer.policy.tree_stats[T8]
+    rows_before = tree_stats.rows
     stats = proposer.policy.stats
     proposed_before, accepted_before = stats.proposed.copy(), stats.accepted.copy()
-    propose([[1, 2, 3, 4], [1, 2]])
-    assert proposer.policy.tree_stats.rows == pytest.approx(rows_before * 0.98 + 1)
-    assert proposer.policy.tree_stats.accepted == pytest.approx(400 * 0.98 + 3)
+    # Now the 6-node tree is seen to keep as much: the narrower tree is drafted (the first
+    # six nodes of the template), and pruned where that is the choice.
+    proposer.policy.tree_stats[T6].record([4] * 1000)
+    drafts = propose([[1, 2, 3, 4], [1, 2]])
+    assert tree_stats.rows == pytest.approx(rows_before * 0.98 + 1)
+    assert tree_stats.accepted == pytest.approx(400 * 0.98 + 3)
     assert (stats.proposed - proposed_before * 0.98).tolist() == pytest.approx([1, 1, 1, 1])
     assert (stats.accepted - accepted_before * 0.98).tolist() == pytest.approx([1, 0, 0, 0])
+    assert drafts[0] == [11, 12, 13, 14, 21, 22]
+    assert WORKER_TREES.book.take()["a"].parents == tree.parents[:6]
+    monkeypatch.setattr(WORKER_TREES, "step", None)
+    monkeypatch.setattr(proposer.policy, "draft_length", lambda *a: TreeChoice(6, True))
+    propose([[1], [1]])
+    assert proposer.target.prune_trees is True

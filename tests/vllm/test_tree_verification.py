@@ -10,6 +10,7 @@ import pytest
 from test_specstream_engine import run_engine
 
 from vllm_specstream.options import ENV_TREE_PRUNE, ENV_TREE_TOP_K
+from vllm_specstream.options import SCHEDULE_OPTION as SCHEDULE
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -86,6 +87,18 @@ def e2e(base_model_dir, tmp_path_factory):
             trees=True,
             follow_up=8,
         ),
+        # the tree's width by batch size (a schedule: the whole tree while at most four
+        # requests run, its first six nodes beside more), pruned at the checkpoint's
+        # threshold: trees the proposer cut to a prefix of the template, pruned again
+        "widths": run_engine(
+            ckpt,
+            NODES,
+            engine,
+            requests,
+            env=TREES,
+            trees=True,
+            spec_options={SCHEDULE: [(1, 4, NODES), (5, 64, 6)]},
+        ),
     }
     return ckpt, tok, requests, plain, runs
 
@@ -145,3 +158,16 @@ def test_tree_acceptance_equals_the_reference_decoders(e2e, kind):
         # counts also hold drafts accepted past the end, which the output drops)
         tokens, steps = tokens + len(got) - 1, steps + metrics["num_spec_steps"]
     assert tokens / steps == pytest.approx(ref_tokens / ref_steps, rel=0.05)
+
+
+def test_tree_widths_chosen_per_step_are_lossless(e2e):
+    # Each step's trees as wide as the schedule says for its batch size (12 requests: more
+    # than four at first, fewer as they finish), pruned by the early-exit head: the
+    # outputs equal plain decoding's, and both widths were verified.
+    _, _, _, plain, runs = e2e
+    widths = runs["widths"]
+    assert widths["tokens"] == plain["tokens"]
+    stats = widths["trees"]
+    by_nodes = {int(n): rows for n, rows in stats["tree_rows_by_nodes"].items()}
+    assert set(by_nodes) == {6, NODES} and min(by_nodes.values()) > 10, stats
+    assert stats["nodes_pruned"] > 0 and stats["off_chain_rows"] > 0, stats

@@ -155,6 +155,8 @@ class SpecStreamMixin:
         self._layer_prefix = f"{prefix}.model." if prefix else "model."
         #: Early-exit pruning threshold of draft trees (0: off; :mod:`.tree_pruning`).
         self.prune_threshold = self._prune_threshold(vllm_config) if self.tree is not None else 0.0
+        #: Whether the next forward prunes its trees (the proposer's per-step choice).
+        self.prune_trees = True
         # vLLM's public EAGLE-3 hook: the decoder then also returns the residual stream
         # entering L0, which the streams start from.
         self.set_aux_hidden_state_layers((self.first_msa_layer,))
@@ -346,6 +348,7 @@ class SpecStreamMixin:
         step = WORKER_TREES.step
         return (
             self.prune_threshold > 0
+            and self.prune_trees
             and batch is not None
             and step is not None
             and bool(step.rows)

@@ -110,7 +110,7 @@ class TreeRejectionSampler(RejectionSampler):
         output = super().forward(metadata, draft_probs, logits, sampling_metadata)
         ids = output.sampled_token_ids
         moves = {}
-        state.tree_rows += len(trees)
+        state.count_rows([len(t.parents) for t in step.rows if t.row in trees])
         state.off_chain_rows += sum(1 for _, m in trees.values() if m)
         for row, (tokens, row_moves) in trees.items():
             ids[row] = -1

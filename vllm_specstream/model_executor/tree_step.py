@@ -187,9 +187,17 @@ class WorkerTrees:
         #: Rows verified as trees, and those whose accepted path left the top-1 chain.
         self.tree_rows = 0
         self.off_chain_rows = 0
+        #: Rows verified as trees by their node count (the policy's widths).
+        self.tree_rows_by_nodes: dict[int, int] = {}
         #: Tree nodes that reached the pruning layer, and those pruned there.
         self.nodes_at_pruning = 0
         self.nodes_pruned = 0
+
+    def count_rows(self, node_counts: Sequence[int]) -> None:
+        """A verified step: the node count of each of its tree rows."""
+        self.tree_rows += len(node_counts)
+        for n in node_counts:
+            self.tree_rows_by_nodes[n] = self.tree_rows_by_nodes.get(n, 0) + 1
 
     def count_pruned(self, nodes: int, pruned: int) -> None:
         self.nodes_at_pruning += nodes
@@ -261,6 +269,7 @@ def tree_stats(model=None) -> dict:
     return {
         "tree_rows": w.tree_rows,
         "off_chain_rows": w.off_chain_rows,
+        "tree_rows_by_nodes": dict(w.tree_rows_by_nodes),
         "nodes_at_pruning": w.nodes_at_pruning,
         "nodes_pruned": w.nodes_pruned,
     }
