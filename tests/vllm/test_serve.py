@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from helpers import free_port, venv_script
+
+from vllm_specstream.options import ENV_TREE_TOP_K
 
 pytestmark = [pytest.mark.serve, pytest.mark.model]
 
@@ -33,7 +36,7 @@ def _get(url: str, timeout: float = 5):
         return r.status, r.read().decode()
 
 
-def _launch(model, log_path, extra):
+def _launch(model, log_path, extra, env=None):
     port = free_port()
     # A fixed KV cache unless the test gives one: servers of other test files may run at
     # the same time (the suite runs its files on two workers).
@@ -60,6 +63,7 @@ def _launch(model, log_path, extra):
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=None if env is None else {**os.environ, **env},
     )
     return proc, log, f"http://127.0.0.1:{port}"
 
@@ -95,14 +99,14 @@ def _stop(proc, log, log_path):
 
 @contextlib.contextmanager
 def serve_many(*servers):
-    """Start ``(model, log_path, extra_flags)`` servers side by side (start-up is mostly
+    """Start ``(model, log_path, extra_flags[, env])`` servers side by side (start-up is mostly
     single-threaded imports, which overlap on several cores); yield their URLs once all are
     healthy; stop them with SIGINT and check that their logs show no traceback and that they
     exited cleanly."""
     started = []
     try:
-        for model, log_path, extra in servers:
-            started.append((*_launch(model, log_path, extra), log_path))
+        for model, log_path, *launch in servers:
+            started.append((*_launch(model, log_path, *launch), log_path))
         deadline = time.monotonic() + 600
         for proc, _, url, log_path in started:
             _wait_healthy(proc, log_path, url, deadline)
@@ -129,11 +133,24 @@ FIXED_SPEC = json.dumps(
 )
 
 
+#: Draft trees (``$SPECSTREAM_TREE_TOP_K``): the demo adapter's 4 streams, top-2 each, the
+#: first 8 nodes of that tree at every batch size.
+TREE_NODES = 8
+TREE_SPEC = json.dumps(
+    {
+        "model": "specstream",
+        "num_speculative_tokens": TREE_NODES,
+        "num_speculative_tokens_per_batch_size": [[1, 1024, TREE_NODES]],
+    }
+)
+
+
 @pytest.fixture(scope="module")
 def servers(base_model_dir, tmp_path_factory):
-    """Three servers started together: the embedded model as shipped (bf16, memory as a
+    """Four servers started together: the embedded model as shipped (bf16, memory as a
     share of RAM), and the demo adapter merged onto it (fp32) served with the specstream
-    proposer (``FIXED_SPEC``) and without. Yields their URLs and the log directory."""
+    proposer (``FIXED_SPEC``), with draft trees (``TREE_SPEC``) and without. Yields their
+    URLs and the log directory."""
     import torch
 
     from vllm_specstream.training.checkpoint import export_merged
@@ -149,8 +166,21 @@ def servers(base_model_dir, tmp_path_factory):
             (*DEMO_FLAGS, "--speculative-config", FIXED_SPEC, "--enable-log-requests"),
         ),
         (demo, tmp / "plain.log", DEMO_FLAGS),
-    ) as (base, spec, plain):
-        yield {"base": base, "spec": spec, "plain": plain, "logs": tmp, "model": demo}
+        (
+            demo,
+            tmp / "tree.log",
+            (*DEMO_FLAGS, "--speculative-config", TREE_SPEC),
+            {ENV_TREE_TOP_K: "2"},
+        ),
+    ) as (base, spec, plain, tree):
+        yield {
+            "base": base,
+            "spec": spec,
+            "plain": plain,
+            "tree": tree,
+            "logs": tmp,
+            "model": demo,
+        }
 
 
 def complete(url: str, prompt: str, n: int, model: str = "m", timeout: float = 120) -> dict:
@@ -371,3 +401,32 @@ def test_specstream_server_with_openai_client(servers):
     # The plain server on the same checkpoint drafts nothing.
     plain_metrics = _get(f"{plain_url}/metrics")[1]
     assert metric(plain_metrics, "vllm:spec_decode_num_drafts_total") is None
+
+
+def test_tree_server_with_openai_client(servers):
+    """`vllm serve` with draft trees verified in vLLM: concurrent greedy chat and text
+    requests, streaming and not, answer exactly as the plain server does, and `/metrics`
+    counts drafts of the tree's size (a chain in this engine drafts at most 4)."""
+    tree_url, plain_url, logs = servers["tree"], servers["plain"], servers["logs"]
+    prompts = sql_prompts(servers["model"], len(CASES))
+
+    async def session():
+        tree, plain = _client(tree_url), _client(plain_url)
+        cases = [(*case, prompts[i]) for i, case in enumerate(CASES)]
+        expected = await asyncio.gather(*(ask(plain, *case) for case in cases))
+        results = await asyncio.gather(*(ask(tree, *case) for case in cases))
+        await tree.close()
+        await plain.close()
+        return expected, results
+
+    expected, results = asyncio.run(session())
+    for case, (want, _), (got, _) in zip(CASES, expected, results):
+        assert got == want, case
+    metrics = _get(f"{tree_url}/metrics")[1]
+    drafts = metric(metrics, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and NUM_STREAMS * drafts < draft_tokens <= TREE_NODES * drafts
+    assert 0 < accepted < draft_tokens, (accepted, draft_tokens)
+    log = (logs / "tree.log").read_text()
+    assert "specstream draft trees run the streams at the accepted node" in log, log[-3000:]
