@@ -5,9 +5,13 @@ Runs the engine in this process, wraps the plugin's pieces and vLLM's model-runn
 for decode steps only (prefill steps are left out), the median time per step of each range
 and of the whole step (``execute_model`` + ``sample_tokens``, which runs the proposer), then
 with ``--ops`` the top operators by self time. Compare ``--k 0`` (plain) with ``--k 4``.
+With ``--lora NAME=DIR`` (repeatable) CKPT is a base served with those adapters (vLLM
+multi-LoRA, request ``i`` on adapter ``i mod A``), and the LoRA ops, the per-step adapter
+mapping and vLLM's punica metadata update are ranges of their own: against the adapters'
+merged checkpoint, what vLLM's CPU LoRA path costs a step.
 
     .venv/bin/python benchmarks/profile_step.py CKPT [--k 4] [-n 4] [--dtype float32]
-        [--task sql --data FILE --split val]
+        [--task sql --data FILE --split val] [--lora NAME=DIR ...]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -96,6 +101,13 @@ def main() -> None:
         help="with --k: a speculating engine whose schedule drafts 0 at every batch size "
         "(what speculation costs a step that verifies nothing)",
     )
+    ap.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve CKPT (a base) with this LoRA adapter (repeatable)",
+    )
     args = ap.parse_args()
     preload_iomp_and_reexec()
 
@@ -133,6 +145,14 @@ def main() -> None:
     for name in ("execute_model", "sample_tokens", "_prepare_inputs", "propose_draft_token_ids"):
         if hasattr(runner_cls, name):
             wrap(runner_cls, name, f"runner.{name}")
+    if args.lora:
+        from vllm.lora.punica_wrapper import punica_cpu
+
+        cpu = punica_cpu.PunicaWrapperCPU
+        wrap(cpu, "add_lora_linear", "lora: linear layers (shrink + expand)")
+        wrap(cpu, "add_lora_logits", "lora: LM head")
+        wrap(cpu, "update_metadata", "lora: punica metadata update")
+        wrap(runner_cls, "set_active_loras", "lora: runner.set_active_loras (mapping)")
 
     tok = AutoTokenizer.from_pretrained(args.ckpt)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -148,6 +168,16 @@ def main() -> None:
     messages = (messages * -(-need // len(messages)))[:need]
     prompts = [prompt_text(tok, m) for m in messages]
     kw = cpu_engine_kwargs(dtype=args.dtype)
+    loras = []
+    if args.lora:
+        from vllm.lora.request import LoRARequest
+
+        for i, spec in enumerate(args.lora, start=1):
+            name, _, path = spec.partition("=")
+            loras.append(LoRARequest(name, i, path))
+        configs = [Path(r.lora_path) / "adapter_config.json" for r in loras]
+        rank = max(json.loads(c.read_text())["r"] for c in configs)
+        kw.update(enable_lora=True, max_loras=len(loras), max_lora_rank=rank)
     if args.k:
         never = {"num_speculative_tokens_per_batch_size": [(1, 1 << 16, 0)]}
         kw["speculative_config"] = speculative_config(
@@ -161,7 +191,11 @@ def main() -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.batch_sizes != "1"
     )
-    llm.generate(prompts[:1], params, use_tqdm=False)
+
+    def lora_of(group_start: int, n: int):
+        return [loras[(group_start + j) % len(loras)] for j in range(n)] if loras else None
+
+    llm.generate(prompts[:1], params, use_tqdm=False, lora_request=lora_of(0, 1))
     # (requests, decode?, verified drafts?, ranges)
     steps: list[tuple[int, bool, bool, dict[str, float]]] = []
     current: dict = {}
@@ -193,7 +227,9 @@ def main() -> None:
             start = time.perf_counter()
             for i in range(args.n):
                 group = prompts[1 + i * b : 1 + (i + 1) * b]
-                outs = llm.generate(group, params, use_tqdm=False)
+                outs = llm.generate(
+                    group, params, use_tqdm=False, lora_request=lora_of(i * b, len(group))
+                )
                 tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             wall = time.perf_counter() - start
             if current:

@@ -66,6 +66,13 @@ def test_speculative_equals_plain_greedy(seed, top_k, prune):
     got = speculative_generate(model, prompt, 30, eos_token_id=None, top_k=top_k)
     assert got.tokens == want
     assert got.steps >= 1 and 1.0 <= got.tokens_per_step <= 4.0
+    # Every step verified its whole tree (3 streams of top-k), less what pruning dropped,
+    # and accepted no more than it verified.
+    full = sum(top_k**d for d in range(1, 4))
+    assert len(got.verified) == got.steps and max(got.verified) <= full
+    assert all(a <= v for a, v in zip(got.accepted, got.verified))
+    if not prune:
+        assert set(got.verified) == {full}
 
 
 def test_oracle_streams_get_accepted_and_hf_agrees():

@@ -381,7 +381,7 @@ def test_tree_estimate_starts_at_its_prior_and_follows_tree_rows():
 T6, T8, T8P = TreeChoice(6), TreeChoice(8), TreeChoice(8, prune=True)
 
 
-def _tree_policy(trees: dict, chain_s: float = 0.07, **kw) -> DraftPolicy:
+def _tree_policy(trees: dict, chain_s: float = 0.07, table=TABLE, **kw) -> DraftPolicy:
     """k_max 4; trees of 6 and 8 nodes (8 also pruned) of the top-2 template; plain steps
     0.05 s, chains of 4 ``chain_s``; chains accept 60/40/20/10 in 100 (2.3 tokens per step
     with k = 4). ``trees`` maps a tree to (its step seconds, 0: untimed; the drafts its rows
@@ -391,7 +391,7 @@ def _tree_policy(trees: dict, chain_s: float = 0.07, **kw) -> DraftPolicy:
     stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
     stats.proposed[:] = 100
     stats.accepted[:] = [60, 40, 20, 10]
-    cost = MeasuredCost(TABLE, direct=frozenset((T6, T8, T8P)), min_samples=4)
+    cost = MeasuredCost(table, direct=frozenset((T6, T8, T8P)), min_samples=4)
     for _ in range(4):
         cost.record(1, 0, 0.05)
         cost.record(1, 4, chain_s)
@@ -425,23 +425,41 @@ def test_policy_weighs_tree_width_and_pruning_by_their_measured_steps():
     assert _tree_policy({T6: (0.08, 1), T8: (0.10, 1), T8P: (0.09, 1)}).best_length(1) == 4
 
 
+#: A CPU where each draft row costs 0.2 plain steps at batch 1 (1.2 with one draft, 1.8 with
+#: four; 2.2 for six rows and 2.6 for eight, the measured trend going on).
+DEAR_ROWS = StepCostTable("test", (1,), {1: (1.2,), 4: (1.8,)}, "test")
+
+
+def test_step_cost_beyond_the_largest_k_follows_the_measured_trend():
+    assert DEAR_ROWS.ratio(1, 6) == pytest.approx(2.2)
+    assert DEAR_ROWS.ratio(1, 8) == pytest.approx(2.6)
+    # The avx2 table: 16 rows at batch 1 / 16, against the 3.7 / 6.9 plain steps that
+    # top-2 trees of 16 nodes cost on E2E there (a proportional share said 8.0 / 14.7).
+    avx2, _ = table_for("accepted", "avx2")
+    assert avx2.ratio(1, 16) == pytest.approx(3.73, abs=0.01)
+    assert avx2.ratio(16, 16) == pytest.approx(9.71, abs=0.01)
+    one = StepCostTable("test", (1,), {2: (1.5,)}, "test")
+    assert one.ratio(1, 4) == pytest.approx(3.0)  # a single k: its share per row
+
+
 def test_policy_probes_the_likeliest_untimed_tree_and_stops_where_none_would_pay():
-    # Untimed, a tree costs the table's chain of as many rows (6 rows: 1.95 x 1.4/1.3 = 2.1
-    # plain steps; 8 rows 2.8): the 6-node tree's prior gives it the best estimate of the
-    # trees, but chains win; one chain step in four drafts it to time it.
-    policy = _tree_policy({}, tree_probe_every=4)
-    assert policy.best_length(1) == 4
+    # Chains of 2: 2.0 tokens for 1.4 plain steps (1.43x; of 4: 2.3 for 1.8). Untimed, a
+    # tree costs the table's chain of as many rows (6 rows 2.2, 8 rows 2.6): the 6-node
+    # tree's prior gives it the best estimate of the trees (2.6 tokens: 1.18x), but chains
+    # win; one chain step in four drafts it to time it.
+    policy = _tree_policy({}, chain_s=0.09, table=DEAR_ROWS, tree_probe_every=4)
+    assert policy.best_length(1) == 2
     assert policy.expected_speedup(1, T6) > policy.expected_speedup(1, T8)
-    assert [policy.draft_length(1) for _ in range(8)] == [4, 4, 4, T6] * 2
-    # Timed dear (3.2 plain steps: 1.5x the table's guess): the untimed 8-node trees now
+    assert [policy.draft_length(1) for _ in range(8)] == [2, 2, 2, T6] * 2
+    # Timed dear (3.2 plain steps: 1.45x the table's guess): the untimed 8-node trees now
     # cost that overhead too, far below the chains' speedup: no more probes.
     for _ in range(4):
         policy.cost.record(1, T6, 0.16)
-    assert policy.cost.tree_overhead(1) == pytest.approx(3.2 / 2.1)
-    assert [policy.draft_length(1) for _ in range(16)] == [4] * 16
-    # Timed cheap (1.4 plain steps), the 8-node trees come within reach of the best (1.48x
+    assert policy.cost.tree_overhead(1) == pytest.approx(3.2 / 2.2)
+    assert [policy.draft_length(1) for _ in range(16)] == [2] * 16
+    # Timed cheap (1.4 plain steps), the 8-node trees come within reach of the best (1.67x
     # against 1.86x): they are probed.
-    cheap = _tree_policy({T6: (0.07, None)}, tree_probe_every=4)
+    cheap = _tree_policy({T6: (0.07, None)}, chain_s=0.09, table=DEAR_ROWS, tree_probe_every=4)
     assert cheap.best_length(1) == T6
     probes = [cheap.draft_length(1) for _ in range(8)]
     assert probes == [T6, T6, T6, T8] * 2 or probes == [T6, T6, T6, T8P] * 2

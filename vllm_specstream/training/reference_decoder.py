@@ -36,6 +36,8 @@ class DecodeResult:
     """Target forward passes after the prefill."""
     accepted: list[int] = field(default_factory=list)
     """Drafts accepted at each step."""
+    verified: list[int] = field(default_factory=list)
+    """Draft nodes verified at each step (after pruning)."""
 
     @property
     def tokens_per_step(self) -> float:
@@ -128,6 +130,7 @@ def speculative_generate(
         path = _accept(tree, target)
         result.steps += 1
         result.accepted.append(len(path) - 1)
+        result.verified.append(n - 1)
         new_tokens = [tree.tokens[i] for i in path[1:]] + [target[path[-1]]]
         for tok in new_tokens:
             if len(result.tokens) >= max_new_tokens or result.tokens[-1] == eos_token_id:
