@@ -35,10 +35,12 @@ def _apply_patches(vllm_version: str) -> None:
     apply_patch(LORA_ADAPTER_STREAMS, vllm_version)
     if current_platform.is_cpu():
         from vllm_specstream.patches.cpu_expand_kernel import EXPAND_KERNEL
+        from vllm_specstream.patches.cpu_lora_linear import CPU_LORA_LINEAR
         from vllm_specstream.patches.cpu_lora_ops import CPU_LORA_OPS
 
         apply_patch(EXPAND_KERNEL, vllm_version)
         apply_patch(CPU_LORA_OPS, vllm_version)
+        apply_patch(CPU_LORA_LINEAR, vllm_version)
         if _trees_requested():
             from vllm_specstream.patches.tree_runner import TREE_RUNNER
 

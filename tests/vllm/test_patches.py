@@ -289,6 +289,48 @@ def test_fixed_cpu_lora_ops():
 
 
 @needs_cpu_wheel
+def test_grouped_cpu_lora_linear_equals_vllms_path():
+    # vLLM's CPU add_lora_linear (with the fixed ops) against the grouped replacement, on a
+    # batch mixing two adapters and tokens without one, and on a batch of one adapter: the
+    # same values, bit for bit. Fails when vLLM changes what the replacement reads (the
+    # wrapper's token index tensor, add_lora_linear's arguments) or what it computes.
+    out = run_python(
+        "import torch, vllm\n"
+        "from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU\n"
+        "from vllm_specstream.patches import apply_patch\n"
+        "from vllm_specstream.patches.cpu_lora_ops import CPU_LORA_OPS\n"
+        "from vllm_specstream.patches.cpu_lora_linear import CPU_LORA_LINEAR\n"
+        "apply_patch(CPU_LORA_OPS, vllm.__version__)\n"
+        "original = PunicaWrapperCPU.add_lora_linear\n"
+        "w = PunicaWrapperCPU(64, 8, 'cpu')\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(6, 8, generator=g)\n"
+        "slices = (5, 3, 4)\n"
+        "a = tuple(torch.randn(3, 1, 4, 8, generator=g) for _ in slices)\n"
+        "b = tuple(torch.randn(3, 1, n, 4, generator=g) for n in slices)\n"
+        "y0 = torch.randn(6, 12, generator=g)\n"
+        "def run(fn, indices):\n"
+        "    w._token_lora_indices[:6].copy_(torch.tensor(indices))\n"
+        "    w.indices_len[0] = 6\n"
+        "    y = y0.clone()\n"
+        "    fn(w, y, x, a, b, 0.5, slices)\n"
+        "    return y\n"
+        "cases = ([0, -1, 2, 2, -1, 0], [1] * 6, [-1] * 6)\n"
+        "want = [run(original, c) for c in cases]\n"
+        "apply_patch(CPU_LORA_LINEAR, vllm.__version__)\n"
+        "fn = PunicaWrapperCPU.add_lora_linear\n"
+        "print(getattr(fn, '__specstream_grouped__', False))\n"
+        "for c, y in zip(cases, want):\n"
+        "    got = run(fn, c)\n"
+        "    print(torch.equal(got, y), torch.equal(got[1], y0[1]) == (c[1] < 0))\n"
+        "print(torch.equal(run(fn, cases[0]), want[0]))\n"  # the index tensor rewritten
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()[-5:]
+    assert lines == ["True", "True True", "True True", "True True", "True"], out.stdout[-2000:]
+
+
+@needs_cpu_wheel
 def test_lora_patch_is_applied_by_register():
     out = run_python(
         "from vllm_specstream.plugin import register\n"
@@ -297,8 +339,10 @@ def test_lora_patch_is_applied_by_register():
         "from vllm.lora.punica_wrapper import punica_cpu\n"
         "from vllm_specstream.patches.cpu_lora_ops import REPLACEMENTS as R\n"
         "print(all(getattr(m, n) is f for m in (lora_ops, punica_cpu) for n, f in R.items()))\n"
+        "fn = punica_cpu.PunicaWrapperCPU.add_lora_linear\n"
+        "print(getattr(fn, '__specstream_grouped__', False))\n"
     )
-    assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["True", "True"], out.stderr[-3000:]
 
 
 @needs_cpu_wheel
