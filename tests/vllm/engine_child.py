@@ -233,7 +233,8 @@ def reference(ckpt: str, k: int, requests: list[dict]) -> list[list[int]]:
 def lora_mixed(base: str, adapter: str, prompts: list[str], n: int) -> dict:
     """Greedy outputs under ``enable_lora`` (one slot) of ``prompts[0]`` with ``adapter`` batched
     with the others without one, then of the others alone; then the same again with vLLM's
-    own CPU LoRA ops put back (the engine runs in this process), to show what the patch fixes."""
+    own CPU LoRA ops and linear-layer method put back (the engine runs in this process), to
+    show what the patches fix."""
     from vllm import SamplingParams
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
@@ -245,6 +246,8 @@ def lora_mixed(base: str, adapter: str, prompts: list[str], n: int) -> dict:
     assert not any(originals[name] is fn for name, fn in REPLACEMENTS.items())
     llm = _llm(base, max_model_len=512, enable_lora=True, max_loras=1, max_lora_rank=8)
     assert all(getattr(lora_ops, name) is fn for name, fn in REPLACEMENTS.items())
+    wrapper = punica_cpu.PunicaWrapperCPU
+    assert getattr(wrapper.add_lora_linear, "__specstream_grouped__", False)
     params = SamplingParams(temperature=0.0, max_tokens=n)
     lora = LoRARequest("task", 1, adapter)
 
@@ -262,6 +265,7 @@ def lora_mixed(base: str, adapter: str, prompts: list[str], n: int) -> dict:
     for module in (lora_ops, punica_cpu):
         for name, fn in originals.items():
             setattr(module, name, fn)
+    wrapper.add_lora_linear = wrapper.add_lora_linear.__wrapped__
     return {"patched": patched, "unpatched": run()}
 
 

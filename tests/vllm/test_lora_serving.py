@@ -41,7 +41,8 @@ def random_adapter(base_model_dir, tmp_path_factory):
 def test_requests_without_an_adapter_are_served_by_the_base_model(base_model_dir, random_adapter):
     # vLLM 0.32's CPU LoRA ops give a token without an adapter (index -1) the last slot's
     # adapter in batches that mix requests with and without one; patches/cpu_lora_ops.py
-    # fixes that. The unpatched run shows the test can fail.
+    # fixes that (and patches/cpu_lora_linear.py, which groups the linear layers' tokens by
+    # adapter, skips them too). The run with both put back shows the test can fail.
     requests = [{"prompt": p, "max_tokens": MAX_TOKENS} for p in PROMPTS[1:]]
     base, _ = run_child(
         "generate", ckpt=str(base_model_dir), k=0, engine={"max_model_len": 512}, requests=requests
