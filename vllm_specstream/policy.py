@@ -159,10 +159,17 @@ RANK_CATCH = 0.5
 
 def template_tokens(depths, ranks, parents, rates: np.ndarray) -> float:
     """Tokens a step yields per request with a tree of these nodes (bonus token included),
-    when chain draft ``j`` is accepted with probability ``rates[j - 1]``: a node is on the
-    accepted path with the product, over its path, of the top-1's conditional acceptance at
-    that depth, or for a rank-``r`` candidate ``(1 - that) * RANK_CATCH ** r``. Greedy
-    acceptance takes one child per node, so the expected path length is the nodes' sum."""
+    when chain draft ``j`` is accepted with probability ``rates[j - 1]``: greedy acceptance
+    takes one child per node, so the expected path length is the sum over the nodes of
+    :func:`on_path_probs`."""
+    return 1.0 + float(sum(on_path_probs(depths, ranks, parents, rates)))
+
+
+def on_path_probs(depths, ranks, parents, rates: np.ndarray) -> list[float]:
+    """Chance that each node is on the accepted path: the product, over its path, of the
+    top-1's conditional acceptance at that depth, or for a rank-``r`` candidate ``(1 - that)
+    * RANK_CATCH ** r``. A node's value depends only on its ancestors, so a prefix of the
+    nodes gets the prefix of these values."""
     rates = np.asarray(rates, dtype=float)
     prev = np.concatenate([[1.0], rates[:-1]])
     cond = np.divide(rates, prev, out=np.zeros_like(rates), where=prev > 0)
@@ -171,7 +178,7 @@ def template_tokens(depths, ranks, parents, rates: np.ndarray) -> float:
         q = cond[depth - 1] if depth <= len(cond) else 0.0
         p = q if rank == 0 else (1.0 - q) * RANK_CATCH**rank
         on_path.append(p * (on_path[parent] if parent >= 0 else 1.0))
-    return 1.0 + float(sum(on_path))
+    return on_path
 
 
 @dataclass
@@ -414,6 +421,9 @@ class DraftPolicy:
     chain_steps: int = field(default=0, init=False)
     decisions: dict[Choice, int] = field(default_factory=dict, init=False)
     """How many steps got each choice (for :meth:`summary`)."""
+    _tree_priors: tuple[bytes, np.ndarray] | None = field(default=None, init=False)
+    """The template's prior tokens per prefix length under the last rates seen (every tree
+    of a step is priced under the same rates: one pass over the template per step)."""
 
     def __post_init__(self) -> None:
         if self.trees and self.template is None:
@@ -446,10 +456,17 @@ class DraftPolicy:
         """Tokens per request of a step of choice ``k``."""
         rates = self.stats.accept_rates() if rates is None else rates
         if isinstance(k, TreeChoice):
-            t, n = self.template, k.nodes
-            prior = template_tokens(t.depths[:n], t.ranks[:n], t.parents[:n], rates)
-            return self.tree_stats[k].expected_tokens(prior)
+            return self.tree_stats[k].expected_tokens(self._tree_prior(k.nodes, rates))
         return tokens_per_step(rates, k)
+
+    def _tree_prior(self, nodes: int, rates: np.ndarray) -> float:
+        """:func:`template_tokens` of the template's first ``nodes`` nodes under ``rates``."""
+        key = np.asarray(rates, dtype=float).tobytes()
+        if self._tree_priors is None or self._tree_priors[0] != key:
+            t = self.template
+            cumulative = np.cumsum(on_path_probs(t.depths, t.ranks, t.parents, rates))
+            self._tree_priors = (key, cumulative)
+        return 1.0 + float(self._tree_priors[1][nodes - 1])
 
     def expected_speedup(
         self, batch_size: int, k: Choice, rates: np.ndarray | None = None
