@@ -164,6 +164,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         pack=args.pack,
         frozen_prefix=args.frozen_prefix,
     )
+    if args.distill:
+        # streams-only writes the replies it lacks into it; other objectives only read it
+        train_args.distill = _distill_file(args.distill, args.objective != "streams-only")
     if args.objective == "streams-only":
         train_args.distill = str(_self_distill(train_args, args))
     train(train_args)
@@ -177,9 +180,24 @@ def _stream_lora_rank(args: argparse.Namespace) -> int:
     return args.lora_rank if args.objective == "streams-only" else 0
 
 
+def _distill_file(path: str, must_exist: bool) -> str:
+    """``--distill``: a self-distillation file, or a run directory holding one."""
+    from vllm_specstream.distill import DISTILL_FILE
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / DISTILL_FILE
+    if must_exist and not p.is_file():
+        raise SystemExit(
+            f"specstream train: error: --distill {path}: no such file (give a {DISTILL_FILE} "
+            "or the streams-only run directory that holds it)"
+        )
+    return str(p)
+
+
 def _self_distill(train_args, args: argparse.Namespace) -> Path:
     """The base model's replies to the run's prompts (train and held out), made with vLLM
-    and cached in the run's directory."""
+    and cached in ``--distill`` if given, else in the run's directory."""
     from vllm_specstream.distill import DISTILL_FILE, DistillSettings, distill_replies
     from vllm_specstream.training.train import load_examples
 
@@ -188,7 +206,8 @@ def _self_distill(train_args, args: argparse.Namespace) -> Path:
         *load_examples(train_args, "test", train_args.num_eval, distilled=False),
     ]
     settings = DistillSettings(max_tokens=args.distill_max_tokens, dtype=args.distill_dtype)
-    return distill_replies(train_args.base, examples, Path(args.out) / DISTILL_FILE, settings)
+    path = Path(train_args.distill or Path(args.out) / DISTILL_FILE)
+    return distill_replies(train_args.base, examples, path, settings)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -425,6 +444,13 @@ def _add_training_parsers(sub) -> None:
         type=int,
         help="rank of the LoRA on the stream rows only (default: --lora-rank with "
         "streams-only, else 0)",
+    )
+    p.add_argument(
+        "--distill",
+        metavar="FILE",
+        help="learn the base model's own replies (a self_distill.jsonl, or the streams-only "
+        "run directory holding one) instead of the task's references: e.g. Medusa heads on "
+        "the frozen base trained on the same replies as a streams-only adapter",
     )
     p.add_argument(
         "--distill-max-tokens",

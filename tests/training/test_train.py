@@ -211,6 +211,30 @@ def test_streams_only_trains_on_the_models_replies(tiny_base, tmp_path):
     assert "loss_stream1" in log[-1] and "loss_main" not in log[-1]
 
 
+def test_distill_option_feeds_medusa_the_streams_only_runs_replies(tiny_base, tmp_path):
+    """``--distill RUN_DIR`` reads the run's self_distill.jsonl (Medusa heads on the frozen
+    base learn the same replies as a streams-only adapter); a missing file names the flag."""
+    from vllm_specstream.cli import _distill_file
+    from vllm_specstream.training.train import load_examples
+
+    run = tmp_path / "so-run"
+    run.mkdir()
+    with pytest.raises(SystemExit, match=r"--distill .*so-run: no such file"):
+        _distill_file(str(run), must_exist=True)
+    assert _distill_file(str(run), must_exist=False) == str(run / "self_distill.jsonl")
+    args = args_for(tiny_base, tmp_path / "medusa", steps=1)
+    args.objective, args.medusa_heads = "medusa", 2
+    examples = [*load_examples(args, "train", 16), *load_examples(args, "test", 4)]
+    (run / "self_distill.jsonl").write_text(
+        "".join(
+            json.dumps({"messages": e.messages, "completion": "SELECT 2"}) + "\n" for e in examples
+        )
+    )
+    args.distill = _distill_file(str(run), must_exist=True)
+    assert {e.completion for e in load_examples(args, "train", 16)} == {"SELECT 2"}
+    assert (train(args, progress=False) / "config.json").is_file()
+
+
 def test_prune_objective_adds_the_pruning_adapter_to_a_trained_one(tiny_base, tmp_path):
     """Objective prune: the pruning tensors train on a trained adapter; its LoRA and stream
     tensors are saved unchanged, the config turns pruning on, and the loss falls."""
