@@ -20,6 +20,7 @@ from vllm_specstream.training.checkpoint import (
     build_model,
     export_merged,
     load_adapter,
+    load_base_lm,
     load_merged,
     save_adapter,
 )
@@ -113,7 +114,16 @@ def test_stream_lora_changes_the_streams_only(base_dir):
 def test_export_keeps_the_base_weights_and_round_trips(base_dir, tmp_path):
     model = streams_only(base_dir).eval()
     adapter = save_adapter(model, tmp_path / "adapter")
-    assert not (adapter / "adapter_config.json").exists()  # no LoRA for vLLM to apply
+    # Its PEFT files (for vLLM multi-LoRA) are a LoRA that PEFT loads and that changes nothing.
+    from peft import PeftModel
+
+    lm = load_base_lm(base_dir)
+    ids = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        plain = lm(ids).logits
+        with_null = PeftModel.from_pretrained(lm, str(adapter))
+        assert len(with_null.peft_config["default"].target_modules) == 1
+        assert torch.equal(with_null(ids).logits, plain)
     merged = export_merged(adapter, tmp_path / "merged", dtype=torch.float32)
     base = load_file(str(base_dir / "model.safetensors"))
     weights = load_file(str(merged / "model.safetensors"))
@@ -122,7 +132,6 @@ def test_export_keeps_the_base_weights_and_round_trips(base_dir, tmp_path):
     assert section["stream_lora_rank"] == 4
     streams = load_file(str(merged / STREAM_FILE))
     assert f"specstream.{stream_lora_name(1, 'down', 'b')}" in streams
-    ids = torch.randint(3, 128, (1, 9))
     anchors = torch.tensor([[2, 6]])
     with torch.no_grad():
         want = model(ids, anchors=anchors).stream_hidden

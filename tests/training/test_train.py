@@ -204,7 +204,11 @@ def test_streams_only_trains_on_the_models_replies(tiny_base, tmp_path):
     args.distill = str(distill)
     assert {e.completion for e in load_examples(args, "train", 16)} == {"SELECT 1"}
     out = train(args, progress=False)
-    assert not (out / "adapter_config.json").exists()
+    # vLLM multi-LoRA's view of it: a LoRA that changes nothing (the main stream is the base)
+    peft = json.loads((out / "adapter_config.json").read_text())
+    assert peft["r"] == 1 and peft["target_modules"] == ["o_proj"]
+    null = load_file(str(out / "adapter_model.safetensors"))
+    assert len(null) == 2 and all(not t.any() for t in null.values())
     tensors = load_file(str(out / "specstream.safetensors"))
     assert tensors["stream_lora_1_qkv_b"].abs().sum() > 0  # trained away from zero init
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]

@@ -1,6 +1,7 @@
 """Per-adapter streams: reading an adapter's stream tensors, and each request's streams
 from its LoRA slot."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -67,13 +68,41 @@ def test_adapters_that_do_not_fit_the_deployment_are_named(tmp_path, kwargs, mat
         read_adapter_streams(path, "bad", DEPLOYMENT)
 
 
-def test_a_streams_only_adapter_is_refused_as_a_lora_module(tmp_path):
-    path = write_adapter(tmp_path / "so")
-    config = SpecStreamConfig.load(path)
-    config.stream_lora_rank = 4
+def write_streams_only_adapter(path, lora_rank=2):
+    """A streams-only adapter of a 4-layer model (hidden H, 4 heads, 2 key/value heads)."""
+    path.mkdir(parents=True)
+    config = SpecStreamConfig(num_streams=3, num_msa_layers=2, stream_lora_rank=lora_rank)
     config.save(path)
-    with pytest.raises(ConfigError, match=r"'so'.*streams-only adapter.*specstream export"):
-        read_adapter_streams(path, "so", DEPLOYMENT)
+    shapes = config.stream_tensor_shapes(H, HF_CONFIG)
+    save_file(
+        {n: torch.randn(shape) for n, shape in shapes.items()}, str(path / "specstream.safetensors")
+    )
+    return path
+
+
+HF_CONFIG = {
+    "hidden_size": H,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 24,
+    "num_hidden_layers": 4,
+}
+
+
+def test_a_streams_only_adapter_brings_its_stream_lora(tmp_path):
+    path = write_streams_only_adapter(tmp_path / "so")
+    deployment = dataclasses.replace(DEPLOYMENT, hf_config=HF_CONFIG)
+    streams = read_adapter_streams(path, "so", deployment)
+    assert streams.stream_lora is not None and len(streams.stream_lora.layers) == 2
+    a, b = streams.stream_lora.layers[1]["gate_up"]
+    assert a.shape == (2, H) and b.shape == (2 * 24, 2)
+    x = torch.randn(5, H)
+    assert torch.allclose(streams.stream_lora.delta(1, "gate_up", x), x @ a.T @ b.T, atol=1e-6)
+    assert (
+        read_adapter_streams(write_adapter(tmp_path / "plain"), "p", deployment).stream_lora is None
+    )
+    with pytest.raises(ConfigError, match=r"'so'.*streams-only adapter.*--tensor-parallel-size 1"):
+        read_adapter_streams(path, "so", dataclasses.replace(deployment, tp_size=2))
 
 
 def _manager(slot_ids: list, adapters: dict):

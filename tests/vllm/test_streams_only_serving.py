@@ -98,3 +98,54 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     assert "has a reply for each of the prompts" in again.stdout + again.stderr
     assert len((out / "self_distill.jsonl").read_text().splitlines()) == 8
+
+
+def _streams_only_deployment(base, adapters: dict) -> dict:
+    from vllm_specstream.adapter_deployment import plan_deployment
+
+    plan = plan_deployment(base, {name: str(path) for name, path in adapters.items()})
+    return {
+        "max_model_len": 512,
+        "enable_lora": True,
+        "max_loras": 2,
+        "max_lora_rank": plan.max_lora_rank,
+        "hf_overrides": plan.overrides(),
+    }
+
+
+def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
+    tiny_streams_only, tiny_adapters, base_outputs
+):
+    """The streams-only adapter directory (null LoRA + streams) as a LoRA module on the base
+    deployment, beside a task adapter: its requests' outputs are the base model's, and their
+    drafts the training wrapper's (stream LoRA included) in the window placement; in a mixed
+    batch (streams-only, task adapter, no adapter; accepted placement) the streams-only and
+    the base requests still get the base model's tokens and the streams-only one drafts."""
+    from vllm_specstream.training.checkpoint import load_merged
+
+    base, merged = tiny_streams_only
+    adapter = merged.with_name("adapter")
+    task = tiny_adapters[1][0][0]
+    engine = _streams_only_deployment(base, {"so": adapter, "task": task})
+    alone = [{**REQUESTS[0], "lora": str(adapter)}]
+    served = run_child(
+        "lora_stash",
+        ckpt=str(base),
+        k=3,
+        engine={**engine, "placement": "window"},
+        requests=alone,
+        env=INSPECT,
+    )[0]
+    assert served[0]["tokens"] == base_outputs[0]
+    rows = list(_stash_rows_and_training_drafts(load_merged(merged), served[0]))
+    assert rows, served[0]["stash"]
+    for row, want in rows:
+        assert row == want
+    loras = [str(adapter), str(task), None]
+    mixed = [{**r, "lora": lora} for r, lora in zip(REQUESTS, loras)]
+    spec, _ = run_child(
+        "generate", ckpt=str(base), k=3, engine=engine, requests=mixed, placement="accepted"
+    )
+    assert [spec["tokens"][0]] == base_outputs[0] and [spec["tokens"][2]] == base_outputs[2]
+    assert spec["per_request"][0]["num_spec_steps"] > 0, spec["per_request"]
+    assert not spec["per_request"][2] or spec["per_request"][2]["num_spec_steps"] == 0

@@ -10,6 +10,11 @@ leave with it in vLLM's LRU cache. Each step, a request's LoRA slot gives the ad
 (:func:`request_streams`). A request without an adapter, or with a plain LoRA adapter,
 drafts with the served checkpoint's own streams if it has them, else not at all.
 
+A streams-only adapter (``specstream train --objective streams-only``) is served the same
+way: its PEFT files are a LoRA that changes nothing (``training.checkpoint.null_lora``), so
+its requests' tokens are the base model's, and its stream LoRA (``stream_lora_*``) is added
+to its own stream rows only (:class:`~vllm_specstream.model_executor.lora_streams.StreamLoRA`).
+
 A deployment fixes ``num_msa_layers`` (the decoder returns the residual stream entering that
 layer for every request), so an adapter trained with another value is an error that names
 it; ``num_streams``, ``init_rank`` and ``stream_position`` may differ between adapters.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +35,7 @@ from vllm_specstream.config import (
     SpecStreamConfig,
     check_stream_tensors,
 )
+from vllm_specstream.model_executor.stream_lora import StreamLoRAWeights
 
 Tensor = torch.Tensor
 
@@ -48,6 +55,8 @@ class AdapterStreams:
     """``[num_streams, hidden]``."""
     init_a: Tensor | None = None
     init_b: Tensor | None = None
+    stream_lora: StreamLoRAWeights | None = None
+    """A streams-only adapter's LoRA on the stream rows (its main rows are the base's)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,10 @@ class Deployment:
     num_hidden_layers: int
     num_speculative_tokens: int
     """Drafts per request at most: every adapter needs that many streams."""
+    hf_config: Any = None
+    """The served model's config (the projections' shapes of a stream LoRA)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (a stream LoRA is not sharded)."""
 
 
 def read_adapter_streams(
@@ -84,12 +97,11 @@ def read_adapter_streams(
             "(config.json: specstream.num_msa_layers); serve adapters trained with the same "
             "num_msa_layers together"
         )
-    if config.stream_lora_rank > 0:
+    if config.stream_lora_rank > 0 and deployment.tp_size > 1:
         raise ConfigError(
             f"{where}: a streams-only adapter ({CONFIG_FILE}: stream_lora_rank="
-            f"{config.stream_lora_rank}) keeps the base model's weights for every main token, "
-            "so it is served merged, not as a LoRA module: `specstream export DIR OUT --merge`, "
-            "then `vllm serve OUT --spec-model specstream`"
+            f"{config.stream_lora_rank}) runs its stream LoRA on one rank; serve it with "
+            f"--tensor-parallel-size 1 (this deployment has {deployment.tp_size})"
         )
     if config.num_streams < deployment.num_speculative_tokens:
         raise ConfigError(
@@ -98,9 +110,14 @@ def read_adapter_streams(
             f"these adapters with at most {config.num_streams} speculative tokens"
         )
     tensors = load_file(str(path / STREAM_FILE))
-    check_stream_tensors(tensors, config, deployment.hidden_size, f"{where}: {STREAM_FILE}")
+    check_stream_tensors(
+        tensors, config, deployment.hidden_size, f"{where}: {STREAM_FILE}", deployment.hf_config
+    )
     get = lambda key: tensors[key].to(dtype) if key in tensors else None  # noqa: E731
-    return AdapterStreams(name, config, get("stream_embeddings"), get("init_a"), get("init_b"))
+    stream_lora = StreamLoRAWeights(get, config) if config.stream_lora_rank > 0 else None
+    return AdapterStreams(
+        name, config, get("stream_embeddings"), get("init_a"), get("init_b"), stream_lora
+    )
 
 
 def slot_adapter_ids(lora_manager) -> list[int | None]:

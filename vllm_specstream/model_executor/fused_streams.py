@@ -94,10 +94,11 @@ class FusedStreams:
             if p.stage != stage:
                 return original(x, *args, **kwargs)
             if lora:
+                lora_rows = self.runner.lora
                 main, stream = fused_lora_linear(
-                    module, x, p.pending, self.runner.lora.row_slots, *args, **kwargs
+                    module, x, p.pending, lora_rows.row_slots, *args, **kwargs
                 )
-                self._advance(p, stream)
+                self._advance(p, lora_rows.add_stream_lora(stream, index, stage, p.pending))
                 return main
             n = x.shape[0]
             out = original(torch.cat((x, p.pending.to(x.dtype))), *args, **kwargs)

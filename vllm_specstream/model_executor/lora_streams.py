@@ -33,6 +33,7 @@ from vllm_specstream.model_executor.adapter_streams import (
     request_streams,
 )
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.stream_weights import (
     LayerMatmuls,
     Matmul,
@@ -41,6 +42,7 @@ from vllm_specstream.model_executor.stream_weights import (
     module_matmul,
 )
 from vllm_specstream.patches.cpu_lora_ops import lora_matmul
+from vllm_specstream.stream_layer import PROJECTIONS
 from vllm_specstream.stream_math import init_streams, stream_position_ids
 
 Tensor = torch.Tensor
@@ -151,6 +153,8 @@ class StreamLoRA:
         self.lora_module = lora_module  # any wrapper: they share one punica wrapper
         self.lora_manager = lora_manager  # vLLM's LoRA model manager (slots -> adapters)
         self.row_slots: Tensor | None = None
+        #: Streams-only adapters of the current pass: their stream LoRA and stream rows.
+        self.stream_loras: list[tuple[StreamLoRAWeights, Tensor]] = []
 
     def request_streams(
         self, batch: ForwardBatch, own: AdapterStreams | None
@@ -178,9 +182,28 @@ class StreamLoRA:
             pos[idx] = stream_position_ids(anchor_pos[idx], g, own.config.stream_position)
         return s, pos
 
-    def begin(self, batch: ForwardBatch, rows_per_request: int) -> None:
-        """Slots of a pass whose rows are ``rows_per_request`` per request, request-major."""
+    def begin(
+        self,
+        batch: ForwardBatch,
+        rows_per_request: int,
+        streams: list[AdapterStreams | None] | None = None,
+    ) -> None:
+        """Slots of a pass whose rows are ``rows_per_request`` per request, request-major,
+        and the rows of requests whose ``streams`` carry a stream LoRA."""
         self.row_slots = request_slots(self.lora_module, batch).repeat_interleave(rows_per_request)
+        self.stream_loras = []
+        for own, requests in group_requests(streams or []):
+            if own.stream_lora is not None:
+                first = torch.tensor(requests)[:, None] * rows_per_request
+                rows = (first + torch.arange(rows_per_request)).flatten()
+                self.stream_loras.append((own.stream_lora, rows))
+
+    def add_stream_lora(self, y: Tensor, index: int, stage: str, s: Tensor) -> Tensor:
+        """``y`` (stream rows' output of ``stage`` in MSA layer ``index``, input ``s``) plus
+        each streams-only adapter's delta on its own rows."""
+        for weights, rows in self.stream_loras:
+            y = y.index_add(0, rows, weights.delta(index, stage, s[rows]).to(y.dtype))
+        return y
 
     def weights(self, layers: list[nn.Module], packed: StreamWeights | None) -> StreamWeights:
         """The second pass's matmuls: each wrapped projection's base (``packed``'s copy if
@@ -196,14 +219,14 @@ class StreamLoRA:
             out.append(
                 LayerMatmuls(
                     *(
-                        self._with_delta(m, base) if is_lora_wrapped(m) else base
-                        for m, base in zip(modules, bases)
+                        self._with_delta(m, base, i, stage) if is_lora_wrapped(m) else base
+                        for m, base, stage in zip(modules, bases, PROJECTIONS)
                     )
                 )
             )
         return StreamWeights(out, packed.lm_head if packed is not None else None)
 
-    def _with_delta(self, module: nn.Module, base: Matmul) -> Matmul:
+    def _with_delta(self, module: nn.Module, base: Matmul, index: int, stage: str) -> Matmul:
         if is_row_parallel(module):  # the partial delta before the all-reduce
 
             def run_sharded(x: Tensor) -> Tensor:
@@ -215,7 +238,8 @@ class StreamLoRA:
 
         def run(x: Tensor) -> Tensor:
             y = base(x)
-            return y + stream_delta(module, x, self.row_slots, y.dtype)
+            y = y + stream_delta(module, x, self.row_slots, y.dtype)
+            return self.add_stream_lora(y, index, stage, x)
 
         return run
 

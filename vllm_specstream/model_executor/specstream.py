@@ -250,6 +250,8 @@ class SpecStreamMixin:
             hidden_size=self.config.hidden_size,
             num_hidden_layers=self.config.num_hidden_layers,
             num_speculative_tokens=self.num_speculative_tokens,
+            hf_config=self.config,
+            tp_size=self._tp_size,
         )
 
     @property

@@ -233,7 +233,7 @@ class StreamRunner:
         context = torch.minimum(context, (ctx_len - 1).clamp(min=0)[:, None])
         main_mask = anchor_main_mask(anchor_pos, torch.arange(p_max)) & valid[..., None]
         if self.lora is not None:
-            self.lora.begin(batch, s.shape[1] * s.shape[2])
+            self.lora.begin(batch, s.shape[1] * s.shape[2], self._request_streams)
         return StreamStart(
             s=s.reshape(-1, s.shape[-1]),
             shape=s.shape,

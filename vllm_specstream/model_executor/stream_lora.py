@@ -10,6 +10,8 @@ gate/up concatenated). Training adds the same delta
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,13 +28,11 @@ assert PROJECTIONS == STREAM_LORA_STAGES  # the serving stages are the checkpoin
 class StreamLoRAWeights:
     """Per MSA layer and projection, the ``(A, B)`` of the stream rows' delta."""
 
-    def __init__(self, params: nn.Module, config: SpecStreamConfig):
+    def __init__(self, get: Callable[[str], Tensor], config: SpecStreamConfig):
+        """``get``: the tensor of a ``stream_lora_*`` name (:func:`stream_lora_name`)."""
         self.layers = [
             {
-                stage: (
-                    getattr(params, stream_lora_name(i, stage, "a")),
-                    getattr(params, stream_lora_name(i, stage, "b")),
-                )
+                stage: (get(stream_lora_name(i, stage, "a")), get(stream_lora_name(i, stage, "b")))
                 for stage in STREAM_LORA_STAGES
             }
             for i in range(config.num_msa_layers)
@@ -40,10 +40,10 @@ class StreamLoRAWeights:
 
     @classmethod
     def of(cls, params: nn.Module, config: SpecStreamConfig) -> StreamLoRAWeights | None:
-        """The checkpoint's stream LoRA, or None when it has none."""
+        """The served checkpoint's stream LoRA (its ``params``), or None when it has none."""
         if config.stream_lora_rank == 0 or getattr(params, "stream_embeddings", None) is None:
             return None
-        return cls(params, config)
+        return cls(lambda name: getattr(params, name), config)
 
     def delta(self, index: int, stage: str, x: Tensor) -> Tensor:
         """``B(A(x))`` of ``stage`` in MSA layer ``index`` for the stream rows ``x``."""

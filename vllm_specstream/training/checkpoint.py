@@ -129,13 +129,52 @@ def build_model(
     return SpecStreamModel(lm, config, stream_init_std=stream_init_std)
 
 
+#: The PEFT files vLLM reads from a LoRA directory (and ignores everything else in it).
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def null_lora(hf_config) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT LoRA that changes nothing (rank 1, B = 0, on the last layer's ``o_proj``):
+    what a streams-only adapter gives vLLM's multi-LoRA serving, so that its requests get a
+    LoRA slot (and with it the adapter's streams) while every main token stays the base
+    model's (``y + 0``)."""
+    last = hf_config.num_hidden_layers - 1
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    prefix = f"base_model.model.model.layers.{last}.self_attn.o_proj"
+    tensors = {
+        f"{prefix}.lora_A.weight": torch.zeros(1, hf_config.num_attention_heads * head_dim),
+        f"{prefix}.lora_B.weight": torch.zeros(hf_config.hidden_size, 1),
+    }
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": 1,
+        "lora_alpha": 1,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["o_proj"],
+        "layers_to_transform": [last],
+        "base_model_name_or_path": None,
+    }
+    return config, tensors
+
+
 def save_adapter(model: SpecStreamModel, out_dir: str | Path) -> Path:
-    """Write the adapter checkpoint files into ``out_dir``."""
+    """Write the adapter checkpoint files into ``out_dir`` (a streams-only adapter: with
+    :func:`null_lora` as its PEFT files, for vLLM multi-LoRA)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.config.save(out)
     if hasattr(model.lm, "save_pretrained") and hasattr(model.lm, "peft_config"):
         model.lm.save_pretrained(str(out))
+    elif model.config.stream_lora_rank > 0:
+        peft_config, peft_tensors = null_lora(model.lm.config)
+        peft_config["base_model_name_or_path"] = model.config.base_model
+        (out / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
+        save_file(peft_tensors, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     tensors = {k: v.detach().float().contiguous() for k, v in model.stream_parameters().items()}
     save_file(tensors, str(out / STREAM_FILE), metadata={"format": "pt"})
     return out
@@ -159,7 +198,8 @@ def load_adapter(
         str(stream_file),
         lm.config,
     )
-    if (adapter_dir / "adapter_config.json").is_file():
+    # A streams-only adapter's PEFT files are vLLM's null LoRA: its main stream is the base.
+    if (adapter_dir / PEFT_CONFIG_FILE).is_file() and config.stream_lora_rank == 0:
         from peft import PeftModel
 
         lm = PeftModel.from_pretrained(lm, str(adapter_dir))
