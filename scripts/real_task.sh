@@ -5,7 +5,8 @@
 # held-out validation split (cut by group, seed 0) and writes the adapter's model card.
 #   bash scripts/real_task.sh sql|e2e|dialogsum DATA_FILE [RUNS_DIR] [STEPS]
 # Resumable: run it again and every run continues from its last checkpoint; finished
-# exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs.
+# exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs;
+# OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
 # SPECSTREAM_TRAIN_CORE=N pins the training to one core (1 thread), leaving the other free.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -71,4 +72,8 @@ if has streams-only; then
         $BIN/specstream export "$R-streams-only" "$R-streams-only-merged" --merge
     [ -s "$R-streams-only-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-streams-only-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-streams-only-eval.json"
+    # Medusa heads on the same frozen base, same replies and budget: what streams-only is
+    # measured against (`specstream bench RUN/TASK-streams-only-merged --medusa RUN/TASK-medusa-base`).
+    "${RUN[@]}" $BIN/specstream train --out "$R-medusa-base" --objective medusa \
+        --distill "$R-streams-only" "${COMMON[@]}"
 fi
