@@ -195,6 +195,12 @@ def main() -> None:
             lines.append(f"| merged {name}, specstream | {b} | {ms:.2f} | {ms / mp:.2f}x |")
     same = results["lora plain"]["tokens"] == results["lora specstream"]["tokens"]
     lines += ["", f"LoRA deployment outputs identical with and without speculation: {same}"]
+    # A streams-only adapter's LoRA changes nothing: its requests must get exactly the tokens
+    # of its merged checkpoint (the base); a task LoRA merged into the weights rounds apart.
+    for i, name in enumerate(names):
+        merged_tokens = results[f"merged {name} plain"]["tokens"]
+        equal = all(results["lora plain"]["tokens"][j] == t for j, t in merged_tokens.items())
+        lines.append(f"{name}: deployment outputs identical to its merged checkpoint's: {equal}")
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
