@@ -197,7 +197,7 @@ def main() -> None:
     lines += ["", f"LoRA deployment outputs identical with and without speculation: {same}"]
     # A streams-only adapter's LoRA changes nothing: its requests must get exactly the tokens
     # of its merged checkpoint (the base); a task LoRA merged into the weights rounds apart.
-    for i, name in enumerate(names):
+    for name in names:
         merged_tokens = results[f"merged {name} plain"]["tokens"]
         equal = all(results["lora plain"]["tokens"][j] == t for j, t in merged_tokens.items())
         lines.append(f"{name}: deployment outputs identical to its merged checkpoint's: {equal}")
