@@ -4,6 +4,7 @@ trains one writes the base model's replies with vLLM."""
 
 import pytest
 from engine_child import run_child
+from test_lora_serving import _deployment
 from test_specstream_engine import _stash_rows_and_training_drafts, make_requests
 
 from vllm_specstream.options import ENV_STREAM_DTYPE
@@ -100,19 +101,6 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
     assert len((out / "self_distill.jsonl").read_text().splitlines()) == 8
 
 
-def _streams_only_deployment(base, adapters: dict) -> dict:
-    from vllm_specstream.adapter_deployment import plan_deployment
-
-    plan = plan_deployment(base, {name: str(path) for name, path in adapters.items()})
-    return {
-        "max_model_len": 512,
-        "enable_lora": True,
-        "max_loras": 2,
-        "max_lora_rank": plan.max_lora_rank,
-        "hf_overrides": plan.overrides(),
-    }
-
-
 def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
     tiny_streams_only, tiny_adapters, base_outputs
 ):
@@ -126,7 +114,7 @@ def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
     base, merged = tiny_streams_only
     adapter = merged.with_name("adapter")
     task = tiny_adapters[1][0][0]
-    engine = _streams_only_deployment(base, {"so": adapter, "task": task})
+    engine = _deployment(base, [(adapter, None), (task, None)])
     alone = [{**REQUESTS[0], "lora": str(adapter)}]
     served = run_child(
         "lora_stash",
