@@ -213,6 +213,9 @@ def test_streams_only_trains_on_the_models_replies(tiny_base, tmp_path):
     assert tensors["stream_lora_1_qkv_b"].abs().sum() > 0  # trained away from zero init
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert "loss_stream1" in log[-1] and "loss_main" not in log[-1]
+    args.steps = 3  # resumes from its checkpoint, whose PEFT files are the null LoRA
+    assert train(args, progress=False) == out
+    assert json.loads((out / "train_log.jsonl").read_text().splitlines()[-1])["step"] == 3
 
 
 def test_distill_option_feeds_medusa_the_streams_only_runs_replies(tiny_base, tmp_path):

@@ -336,15 +336,14 @@ class SpecStreamJob:
     def load_trainable(self, ckpt: Path) -> None:
         from safetensors.torch import load_file
 
-        from vllm_specstream.training.checkpoint import STREAM_FILE
+        from vllm_specstream.training.checkpoint import PEFT_WEIGHTS_FILE, STREAM_FILE
 
         load_stream_tensors(self.model, load_file(str(ckpt / STREAM_FILE)))
-        if (ckpt / "adapter_model.safetensors").is_file():
+        # A streams-only run's PEFT files are vLLM's null LoRA, not a model of its own.
+        if (ckpt / PEFT_WEIGHTS_FILE).is_file() and hasattr(self.model.lm, "peft_config"):
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(
-                self.model.lm, load_file(str(ckpt / "adapter_model.safetensors"))
-            )
+            set_peft_model_state_dict(self.model.lm, load_file(str(ckpt / PEFT_WEIGHTS_FILE)))
 
 
 def _pruning_model(args: TrainArgs) -> SpecStreamModel:
