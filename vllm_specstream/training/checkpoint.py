@@ -29,6 +29,7 @@ from vllm_specstream.config import (
     ConfigError,
     SpecStreamConfig,
     check_stream_tensors,
+    projection_dims,
 )
 from vllm_specstream.training.model import SpecStreamModel, check_supported
 
@@ -134,19 +135,17 @@ PEFT_CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def null_lora(hf_config) -> tuple[dict, dict[str, torch.Tensor]]:
+def null_lora(hf_config, base_model: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
     """A PEFT LoRA that changes nothing (rank 1, B = 0, on the last layer's ``o_proj``):
     what a streams-only adapter gives vLLM's multi-LoRA serving, so that its requests get a
     LoRA slot (and with it the adapter's streams) while every main token stays the base
     model's (``y + 0``)."""
     last = hf_config.num_hidden_layers - 1
-    head_dim = getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads
-    )
+    d_in, d_out = projection_dims(hf_config)["o"]
     prefix = f"base_model.model.model.layers.{last}.self_attn.o_proj"
     tensors = {
-        f"{prefix}.lora_A.weight": torch.zeros(1, hf_config.num_attention_heads * head_dim),
-        f"{prefix}.lora_B.weight": torch.zeros(hf_config.hidden_size, 1),
+        f"{prefix}.lora_A.weight": torch.zeros(1, d_in),
+        f"{prefix}.lora_B.weight": torch.zeros(d_out, 1),
     }
     config = {
         "peft_type": "LORA",
@@ -157,7 +156,7 @@ def null_lora(hf_config) -> tuple[dict, dict[str, torch.Tensor]]:
         "bias": "none",
         "target_modules": ["o_proj"],
         "layers_to_transform": [last],
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model,
     }
     return config, tensors
 
@@ -171,8 +170,7 @@ def save_adapter(model: SpecStreamModel, out_dir: str | Path) -> Path:
     if hasattr(model.lm, "save_pretrained") and hasattr(model.lm, "peft_config"):
         model.lm.save_pretrained(str(out))
     elif model.config.stream_lora_rank > 0:
-        peft_config, peft_tensors = null_lora(model.lm.config)
-        peft_config["base_model_name_or_path"] = model.config.base_model
+        peft_config, peft_tensors = null_lora(model.lm.config, model.config.base_model)
         (out / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
         save_file(peft_tensors, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
     tensors = {k: v.detach().float().contiguous() for k, v in model.stream_parameters().items()}
