@@ -8,13 +8,18 @@
 # exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs;
 # OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
 # SPECSTREAM_TRAIN_CORE=N pins the training to one core (1 thread), leaving the other free.
+# SPECSTREAM_DEVICE=cuda trains on a GPU; SPECSTREAM_EVAL=0 trains and exports only (run the
+# script again without it, e.g. on the CPU machine, for the evaluations and the model card);
+# SPECSTREAM_DTYPE=fp32|bf16 sets the training precision (default: auto);
+# SPECSTREAM_BIN names the directory of the `specstream` and `python` to use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=$1
 DATA=$2
 RUNS=${3:-runs}
 STEPS=${4:-600}
-BIN=.venv/bin
+BIN=${SPECSTREAM_BIN:-.venv/bin}
+EVAL_HERE=${SPECSTREAM_EVAL:-1}
 case "$TASK" in
     sql) MSA=8; MAXLEN=512 ;;          # N_s/N ~ 1/4 (the demo adapter's setting)
     e2e) MSA=15; MAXLEN=192 ;;         # N_s/N = 1/2, as the paper for text tasks
@@ -29,6 +34,8 @@ fi
 COMMON=(--task "$TASK" --data "$DATA" --num-streams 4 --num-msa-layers "$MSA" --lora-rank 32
     --lora-layers msa --batch-size 8 --lr 5e-4 --max-length "$MAXLEN" --steps "$STEPS"
     --eval-every 100 --save-every 20 --num-eval 48)
+[ -n "${SPECSTREAM_DEVICE:-}" ] && COMMON+=(--device "$SPECSTREAM_DEVICE")
+[ -n "${SPECSTREAM_DTYPE:-}" ] && COMMON+=(--dtype "$SPECSTREAM_DTYPE")
 OBJECTIVES=${OBJECTIVES:-specstream ntp medusa}
 R="$RUNS/$TASK"
 EVAL=(--task "$TASK" --data "$DATA" --split val)
@@ -38,14 +45,14 @@ if has specstream; then
         --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2
     [ -f "$R-specstream-merged/config.json" ] ||
         $BIN/specstream export "$R-specstream" "$R-specstream-merged" --merge
-    [ -s "$R-specstream-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+    [ "$EVAL_HERE" = 0 ] || [ -s "$R-specstream-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-specstream-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-specstream-eval.json"
 fi
 if has ntp; then
     "${RUN[@]}" $BIN/specstream train --out "$R-ntp" --objective ntp "${COMMON[@]}"
     [ -f "$R-ntp-merged/config.json" ] || $BIN/specstream export "$R-ntp" "$R-ntp-merged" --merge
     # The baseline has no trained streams: only its task metric matters (chain only).
-    [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+    [ "$EVAL_HERE" = 0 ] || [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-ntp-merged" "${EVAL[@]}" --tree-top-k 0 | tail -n 1 > "$R-ntp-eval.json"
 fi
 if has medusa; then
@@ -70,7 +77,7 @@ if has streams-only; then
         "${COMMON[@]}" --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2
     [ -f "$R-streams-only-merged/config.json" ] ||
         $BIN/specstream export "$R-streams-only" "$R-streams-only-merged" --merge
-    [ -s "$R-streams-only-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+    [ "$EVAL_HERE" = 0 ] || [ -s "$R-streams-only-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-streams-only-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-streams-only-eval.json"
     # Medusa heads on the same frozen base, same replies and budget: what streams-only is
     # measured against (`specstream bench RUN/TASK-streams-only-merged --medusa RUN/TASK-medusa-base`).

@@ -158,6 +158,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         num_train=args.num_train,
         num_eval=args.num_eval,
         dtype=args.dtype,
+        device=args.device,
         save_every=args.save_every,
         eval_every=args.eval_every,
         seed=args.seed,
@@ -503,7 +504,18 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--num-train", type=int, help="built-in task records to generate")
     p.add_argument("--num-eval", type=int, default=64)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="training precision (auto: bf16 on a GPU or a CPU with native bf16, else fp32)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N, or auto (a CUDA GPU when PyTorch sees one); the adapter "
+        "written is the same",
+    )
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)

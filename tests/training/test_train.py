@@ -12,7 +12,14 @@ from tiny import tiny_llama
 
 from vllm_specstream.config import SpecStreamConfig
 from vllm_specstream.training.checkpoint import LoraSettings
-from vllm_specstream.training.train import TrainArgs, batch_indices, lr_factor, train
+from vllm_specstream.training.train import (
+    TrainArgs,
+    batch_indices,
+    lr_factor,
+    resolve_device,
+    resolve_dtype,
+    train,
+)
 
 pytestmark = pytest.mark.model
 
@@ -54,6 +61,37 @@ def test_batches_are_a_pure_function_of_the_step():
     assert lr_factor(0, 10, 100) == pytest.approx(0.1) and lr_factor(100, 10, 100) == pytest.approx(
         0.1
     )
+
+
+def test_device_choices_and_their_errors():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("fp32", torch.device("cuda")) == torch.float32
+    with pytest.raises(ValueError, match="--device must be cpu, cuda"):
+        resolve_device("mps")
+    with pytest.raises(ValueError, match="--device 'gpu'"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU; use --device cpu"):
+            resolve_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_a_gpu_follows_the_cpu_run(tiny_base, tmp_path):
+    """The same run (fp32, packing and the frozen-prefix cache on) on the GPU and on the CPU:
+    the same losses step by step and the same adapter, up to the GPU's summation order."""
+    logs, streams = {}, {}
+    for device in ("cpu", "cuda"):
+        out = train(args_for(tiny_base, tmp_path / device, steps=4, device=device), progress=False)
+        logs[device] = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+        streams[device] = load_file(str(out / "specstream.safetensors"))
+    for cpu, gpu in zip(logs["cpu"], logs["cuda"], strict=True):
+        for k in ("loss", "loss_main", "loss_stream1", "eval_loss"):
+            if k in cpu:
+                assert gpu[k] == pytest.approx(cpu[k], rel=2e-3), (cpu["step"], k)
+    for name, t in streams["cpu"].items():
+        torch.testing.assert_close(streams["cuda"][name], t, rtol=1e-2, atol=1e-3)
 
 
 def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeypatch):

@@ -173,7 +173,9 @@ def save_adapter(model: SpecStreamModel, out_dir: str | Path) -> Path:
         peft_config, peft_tensors = null_lora(model.lm.config, model.config.base_model)
         (out / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
         save_file(peft_tensors, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
-    tensors = {k: v.detach().float().contiguous() for k, v in model.stream_parameters().items()}
+    tensors = {
+        k: v.detach().float().cpu().contiguous() for k, v in model.stream_parameters().items()
+    }
     save_file(tensors, str(out / STREAM_FILE), metadata={"format": "pt"})
     return out
 

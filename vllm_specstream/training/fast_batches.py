@@ -77,10 +77,13 @@ def prefix_hidden(
         raise ValueError("layer 0 has no frozen prefix to cache")
     decoder = model.decoder
 
+    device = decoder.embed_tokens.weight.device
+
     def run(ids: Tensor, lengths: list[int]) -> Tensor:
         b, t = ids.shape
-        positions = torch.arange(t).expand(b, t)
-        mask = torch.ones(t, t, dtype=torch.bool).tril().expand(b, t, t)
+        ids = ids.to(device)
+        positions = torch.arange(t, device=device).expand(b, t)
+        mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
         h = decoder.embed_tokens(ids)
         cos, sin = decoder.rotary_emb(h, positions)
         for block in list(decoder.layers)[:layer]:

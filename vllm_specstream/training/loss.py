@@ -25,7 +25,7 @@ def select_anchors(labels_mask: Tensor, num_streams: int) -> Tensor:
     a = max(int(counts.max()), 1)
     # Stable sort puts useful positions first, in order.
     order = torch.sort((~useful).int(), dim=1, stable=True).indices[:, :a]
-    keep = torch.arange(a)[None] < counts[:, None]
+    keep = torch.arange(a, device=counts.device)[None] < counts[:, None]
     return torch.where(keep, order, torch.full_like(order, -1))
 
 

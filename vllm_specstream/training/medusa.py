@@ -82,9 +82,15 @@ class MedusaHeads(nn.Module):
         """Per example, the frozen model's final hidden state ``[T_i, h]`` (after the norm)."""
         from vllm_specstream.training.fast_batches import per_example_hidden
 
+        device = self.lm.lm_head.weight.device
+
         def run(ids: Tensor, lengths: list[int]) -> Tensor:
-            mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
-            return self.lm.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            ids = ids.to(device)
+            mask = (
+                torch.arange(ids.shape[1], device=device)
+                < torch.tensor(lengths, device=device)[:, None]
+            )
+            return self.lm.model(input_ids=ids, attention_mask=mask.long()).last_hidden_state
 
         return per_example_hidden(encoded, run, batch_size, "cache the frozen model", progress)
 
@@ -97,11 +103,11 @@ class MedusaHeads(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         cfg = self.lm.config
         tensors = {
-            f"blocks.{j}.layers.{i}.weight": layer.weight.detach().to(dtype).contiguous()
+            f"blocks.{j}.layers.{i}.weight": layer.weight.detach().to("cpu", dtype).contiguous()
             for j, block in enumerate(self.blocks)
             for i, layer in enumerate(block)
         }
-        tensors["lm_head.weight"] = self.lm.lm_head.weight.detach().to(dtype).contiguous()
+        tensors["lm_head.weight"] = self.lm.lm_head.weight.detach().to("cpu", dtype).contiguous()
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         config = {
             "architectures": ["MedusaModel"],

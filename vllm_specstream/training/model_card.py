@@ -106,7 +106,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules", []))} |
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
 | learning rates | LoRA {args["lr"]}, stream embeddings {args["stream_lr"]} |
-| wall time | {wall_text} of training (sum over resumed runs; shared CPU) on {describe_machine()} |
+| wall time | {wall_text} of training (sum over resumed runs) on {args.get("trained_on") or describe_machine()} |
 {"" if not note else chr(10) + note + chr(10)}
 ## Measured on {_measured_on(result)} ({result["num_prompts"]} prompts, greedy)
 

@@ -93,7 +93,11 @@ class TrainArgs:
     """Records of the built-in task to generate (default: the task's default)."""
     num_eval: int = 64
     dtype: str = "auto"
-    """"bf16" (autocast), "fp32", or "auto" (bf16 where the CPU has native bf16 matmuls)."""
+    """"bf16" (autocast), "fp32", or "auto" (bf16 on a GPU or where the CPU has native bf16
+    matmuls)."""
+    device: str = "auto"
+    """Where training runs: "cpu", "cuda" (or "cuda:N"), or "auto" (a CUDA GPU when PyTorch
+    sees one, else the CPU). The adapter written is the same either way (saved on the CPU)."""
     save_every: int = 50
     eval_every: int = 100
     seed: int = 0
@@ -107,19 +111,50 @@ class TrainArgs:
     """Skip the frozen-prefix cache when it would take more memory than this."""
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_device(name: str) -> torch.device:
+    """The device of ``--device`` (``auto``: a CUDA GPU when PyTorch sees one)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r}: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {name}: PyTorch {torch.__version__} sees no CUDA GPU; "
+            "use --device cpu (or auto)"
+        )
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """The training precision of ``--dtype`` on ``device`` (default: the CPU)."""
     if name == "bf16":
         return torch.bfloat16
     if name == "fp32":
         return torch.float32
     if name == "auto":
-        fast_bf16 = (
-            torch.cuda.is_available()
-            or torch.backends.mkldnn.is_available()
-            and torch.cpu._is_avx512_bf16_supported()
-        )
+        if device is not None and device.type == "cuda":
+            return torch.bfloat16
+        fast_bf16 = torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_bf16_supported()
         return torch.bfloat16 if fast_bf16 else torch.float32
     raise ValueError(f"--dtype must be bf16, fp32 or auto, got {name!r}")
+
+
+def describe_device(device: torch.device) -> str:
+    """The machine a run trains on, for its model card: the GPU's name, or the CPU's."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
+    from vllm_specstream.machine import describe_machine
+
+    return describe_machine()
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """``batch`` with its tensors on ``device`` (other values as they are)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def load_examples(args: TrainArgs, split: str, n: int | None, distilled: bool = True):
@@ -209,7 +244,12 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
                 time.monotonic() - t0,
             )
 
+    device = next(model.parameters()).device
+
     def make(idx: list[int]) -> dict:
+        return to_device(build(idx), device)
+
+    def build(idx: list[int]) -> dict:
         examples = [train_set[i] for i in idx]
         rows = None if hidden is None else [hidden[i] for i in idx]
         if medusa or not args.pack:
@@ -316,7 +356,9 @@ class SpecStreamJob:
         norms = hidden[:, 1:].norm(dim=-1)[batch["attention_mask"][:, 1:]]
         target = self.args.stream_init_scale * float(norms.median())
         p = model.stream_embeddings
-        p.copy_(torch.randn_like(p) * target / p.shape[-1] ** 0.5)
+        # Drawn on the CPU: the same initial streams whatever the device.
+        noise = torch.randn(p.shape, dtype=p.dtype)
+        p.copy_(noise.to(p.device) * target / p.shape[-1] ** 0.5)
         logger.info(
             "Stream embeddings initialised with norm ~%.1f (residual norm at layer %d: "
             "median %.1f)",
@@ -415,11 +457,12 @@ def make_job(args: TrainArgs):
 def evaluate(job, encoded: list[dict], args: TrainArgs, autocast) -> dict[str, float]:
     """Mean loss and per-stream (per-head) top-1 accuracy over the held-out examples."""
     job.model.eval()
+    device = next(job.model.parameters()).device
     sums: dict[str, float] = {}
     batches = 0
     for i in range(0, len(encoded), args.batch_size):
         with autocast():
-            _, metrics = job.loss(collate(encoded[i : i + args.batch_size]))
+            _, metrics = job.loss(to_device(collate(encoded[i : i + args.batch_size]), device))
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
         batches += 1
@@ -448,7 +491,8 @@ def _resume(job, optimizer, out: Path) -> int:
     if not (ckpt / STATE_FILE).is_file():
         return 0
     job.load_trainable(ckpt)
-    state = torch.load(ckpt / STATE_FILE, weights_only=False)
+    # Optimizer state follows its parameters' device (a run may resume on another one).
+    state = torch.load(ckpt / STATE_FILE, weights_only=False, map_location="cpu")
     optimizer.load_state_dict(state["optimizer"])
     log = out / LOG_FILE
     if log.is_file():  # steps after the checkpoint will run again: drop their records
@@ -470,9 +514,10 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    dtype = resolve_dtype(args.dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     autocast = (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
         if dtype == torch.bfloat16
         else nullcontext
     )
@@ -488,6 +533,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     if not train_set:
         raise ValueError(f"no training examples (task={args.task!r}, data={args.data!r})")
     job = make_job(args)
+    job.model.to(device)
     job.model.train()
     optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
     base_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -497,20 +543,20 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
         return out
     make_batch = batch_maker(job, args, train_set, autocast, progress)
     if start == 0:
-        job.calibrate(
-            collate(
-                [train_set[i] for i in batch_indices(len(train_set), args.batch_size, 0, args.seed)]
-            )
-        )
-    (out / "train_args.json").write_text(json.dumps(asdict(args), indent=2, default=str) + "\n")
+        first = [train_set[i] for i in batch_indices(len(train_set), args.batch_size, 0, args.seed)]
+        job.calibrate(to_device(collate(first), device))
+    record = {**asdict(args), "trained_on": describe_device(device)}
+    (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     n_trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     logger.info(
-        "Training %s on %d examples (%d held out): %d trainable parameters, %s, %d steps x %d x %d",
+        "Training %s on %d examples (%d held out): %d trainable parameters, %s on %s, "
+        "%d steps x %d x %d",
         args.objective,
         len(train_set),
         len(eval_set),
         n_trainable,
         dtype,
+        device,
         args.steps,
         args.batch_size,
         args.grad_accum,
