@@ -115,7 +115,8 @@ def load_or_compute(path: Path, key: str, compute) -> list[Tensor]:
     """The tensors saved at ``path`` under ``key``, or ``compute()`` saved there, so a resumed
     run does not redo the cache (minutes on a CPU)."""
     if path.is_file():
-        saved = torch.load(path, weights_only=True)
+        # On the CPU: a run may resume on another device than the one that wrote it.
+        saved = torch.load(path, weights_only=True, map_location="cpu")
         if saved.get("key") == key:
             return saved["hidden"]
     hidden = compute()
