@@ -232,6 +232,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if not tokenizer.chat_template:
         raise BaseModelError(f"{gguf}: the GGUF carries no chat template")
+    special = gguf_special_ids(gguf)
+    for fix in match_special_tokens(tokenizer, special):
+        logger.warning("%s: %s (the GGUF's metadata wins)", gguf.name, fix)
     dequantised = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
@@ -241,6 +244,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
     config.pop("_model_name_or_path", None)
+    config.update({f"{role}_token_id": special[role] for role in SPECIAL_ROLES if role in special})
     config = type(dequantised.config).from_dict(config)
     config.dtype = STORAGE_DTYPE
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, STORAGE_DTYPE))
@@ -255,6 +259,40 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(str(out_dir))
+
+
+#: Special tokens whose ids the converted tokenizer and config take from the GGUF.
+SPECIAL_ROLES = ("bos", "eos", "pad")
+_GGUF_KEYS = {"bos": "bos", "eos": "eos", "pad": "padding"}
+
+
+def gguf_special_ids(gguf: Path) -> dict[str, int]:
+    """``bos``/``eos``/``pad`` token ids of the GGUF's tokenizer metadata (those it has)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    ids = {}
+    for role, key in _GGUF_KEYS.items():
+        field = fields.get(f"tokenizer.ggml.{key}_token_id")
+        if field is not None and field.data:
+            ids[role] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def match_special_tokens(tokenizer, ids: dict[str, int]) -> list[str]:
+    """Set ``tokenizer``'s bos/eos/pad tokens to ``ids`` where they differ (Transformers
+    releases read a GGUF's tokenizer differently: one gave SmolLM2 ``<|im_start|>`` as eos,
+    and a model trained with it never ended its replies); returns what was changed."""
+    fixes = []
+    for role, want in ids.items():
+        have = getattr(tokenizer, f"{role}_token_id")
+        if have != want:
+            token = tokenizer.convert_ids_to_tokens(want)
+            fixes.append(
+                f"{role} token {getattr(tokenizer, f'{role}_token')!r} (id {have}) -> {token!r} (id {want})"
+            )
+            setattr(tokenizer, f"{role}_token", token)
+    return fixes
 
 
 def _write_manifest(model_dir: Path, gguf: Path) -> None:

@@ -13,6 +13,7 @@ from helpers import run_python
 from vllm_specstream.training.data import (
     ChatExample,
     encode_example,
+    end_of_turn_id,
     load_jsonl,
     prompt_text,
 )
@@ -198,6 +199,22 @@ def test_smollm_mask_boundary(smollm_tokenizer):
     assert encoded["input_ids"] == whole
     short = encode_example(tok, EXAMPLE, max_length=len(completion) + 3)
     assert short["input_ids"] == whole[-(len(completion) + 3) :]
+
+
+@pytest.mark.model
+def test_replies_end_with_the_chat_templates_end_of_turn_whatever_the_eos(base_model_dir):
+    """A tokenizer converted with a wrong eos (<|im_start|>) still ends every completion, and
+    the reference decoder's stop, with <|im_end|>: the token the chat format and vLLM stop at
+    (trained with the wrong one, a model never ends its replies)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(base_model_dir)
+    assert end_of_turn_id(tok) == 2
+    tok = PreTrainedTokenizerFast.from_pretrained(base_model_dir)
+    tok.eos_token = "<|im_start|>"
+    assert tok.eos_token_id == 1 and end_of_turn_id(tok) == 2
+    encoded = encode_example(tok, EXAMPLE, max_length=512)
+    assert encoded["input_ids"][-1] == 2 and encoded["labels_mask"][-1]
 
 
 # --------------------------------------------------------------------------- task builders

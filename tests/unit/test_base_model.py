@@ -27,6 +27,22 @@ def test_prepared_model_is_verified_llama(base_model_dir):
     assert (base_model_dir / "chat_template.jinja").read_text().count("<|im_start|>") >= 2
 
 
+def test_special_tokens_follow_the_gguf(base_model_dir):
+    """The converted tokenizer's bos/eos/pad are the GGUF's, whatever a Transformers release
+    reads from it (one read SmolLM2's eos as <|im_start|>)."""
+    from transformers import PreTrainedTokenizerFast
+
+    ids = bm.gguf_special_ids(bm.find_gguf())
+    assert ids == {"bos": 1, "eos": 2, "pad": 2}
+    tok = PreTrainedTokenizerFast.from_pretrained(base_model_dir)
+    assert bm.match_special_tokens(tok, ids) == []
+    tok.eos_token = "<|im_start|>"
+    assert bm.match_special_tokens(tok, ids) == [
+        "eos token '<|im_start|>' (id 1) -> '<|im_end|>' (id 2)"
+    ]
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+
+
 def test_tokenizer_and_chat_template(base_model_dir):
     from transformers import AutoTokenizer
 

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_specstream.logger import init_logger
+
+logger = init_logger(__name__)
+
 SQL_FIELDS = ("context", "question", "answer")
 PROMPT_FIELDS = ("prompt", "completion")
 
@@ -134,13 +138,59 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+#: Stands for a reply's text when reading what the chat template puts after it.
+_REPLY_MARK = "specstream-reply-mark"
+_END_OF_TURN_ATTR = "_specstream_end_of_turn_id"
+
+
+def end_of_turn_id(tokenizer: Any) -> int:
+    """The token that ends an assistant reply: the first token the chat template puts after
+    the reply's text when that is a special token (``<|im_end|>`` for SmolLM2), else the
+    tokenizer's eos. Training appends it to every completion and decoding stops at it, so a
+    tokenizer whose ``eos_token`` was converted wrongly (a GGUF read by another Transformers
+    release) cannot teach the model to end its replies with another token than the one its
+    chat format and its servers stop at."""
+    found = getattr(tokenizer, _END_OF_TURN_ATTR, None)
+    if found is None:
+        found = _end_of_turn(tokenizer)
+        setattr(tokenizer, _END_OF_TURN_ATTR, found)  # one template render per tokenizer
+    return found
+
+
+def _end_of_turn(tokenizer: Any) -> int:
+    eos = tokenizer.eos_token_id
+    if getattr(tokenizer, "chat_template", None):
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_MARK}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
+        after = text.split(_REPLY_MARK, 1)[1] if _REPLY_MARK in text else ""
+        ids = _ids(tokenizer, after) if after else []
+        special = {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        if ids and ids[0] in special:
+            if ids[0] != eos:
+                logger.warning(
+                    "The chat template ends a reply with %r (id %d) but the tokenizer's eos is "
+                    "%r (id %s): replies end with the chat template's token",
+                    tokenizer.convert_ids_to_tokens(ids[0]),
+                    ids[0],
+                    tokenizer.eos_token,
+                    eos,
+                )
+            return ids[0]
+    if eos is None:
+        raise ValueError("tokenizer has no eos token and its chat template no end-of-turn token")
+    return eos
+
+
 def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     """Token ids of the chat-templated prompt, exactly as training tokenises it."""
     return _ids(tokenizer, prompt_text(tokenizer, messages))
 
 
 def encode_example(tokenizer: Any, example: ChatExample, max_length: int) -> dict:
-    """Token ids of prompt + completion + eos and a mask that is True on completion tokens.
+    """Token ids of prompt + completion + end of turn (:func:`end_of_turn_id`) and a mask
+    that is True on completion tokens.
 
     Prompt and completion are tokenised separately so the mask boundary is exact. Too-long
     examples lose prompt tokens from the left (the completion is what is learned); a
@@ -148,11 +198,9 @@ def encode_example(tokenizer: Any, example: ChatExample, max_length: int) -> dic
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
-        raise ValueError("tokenizer has no eos token")
+    eos_id = end_of_turn_id(tokenizer)
     prompt = prompt_ids(tokenizer, example.messages)
-    # eos is appended as an id: tokenising its text is not guaranteed to give the special id.
+    # Appended as an id: tokenising its text is not guaranteed to give the special id.
     completion_ids = _ids(tokenizer, example.completion) + [eos_id]
     if len(completion_ids) >= max_length:
         return {"input_ids": completion_ids[:max_length], "labels_mask": [True] * max_length}

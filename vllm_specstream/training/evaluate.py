@@ -88,10 +88,10 @@ def evaluate_checkpoint(
     decoder's outputs)."""
     from tqdm.auto import tqdm
 
-    from vllm_specstream.training.data import prompt_text
+    from vllm_specstream.training.data import end_of_turn_id, prompt_text
     from vllm_specstream.training.reference_decoder import speculative_generate
 
-    eos = tokenizer.eos_token_id
+    eos = end_of_turn_id(tokenizer)
     chain_tokens = chain_steps = tree_tokens = tree_steps = 0
     predictions, mismatches = [], 0
     for case in tqdm(cases, desc=f"eval {task}", disable=not progress):
