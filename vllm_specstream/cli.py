@@ -438,7 +438,9 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--init-from",
         metavar="ADAPTER_DIR",
-        help="--objective prune: the trained specstream adapter to add the pruning adapter to",
+        help="a trained adapter to start from: with --objective prune, the adapter the pruning "
+        "adapter is added to; otherwise its LoRA and streams are trained further (the same "
+        "--num-streams, --num-msa-layers, --init-rank)",
     )
     p.add_argument(
         "--stream-lora-rank",

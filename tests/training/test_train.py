@@ -94,6 +94,27 @@ def test_training_on_a_gpu_follows_the_cpu_run(tiny_base, tmp_path):
         torch.testing.assert_close(streams["cuda"][name], t, rtol=1e-2, atol=1e-3)
 
 
+def test_a_run_starts_from_a_trained_adapter(tiny_base, tmp_path):
+    """--init-from with another objective than prune: the LoRA and streams of the adapter are
+    the start (at lr 0 the adapter comes out unchanged, its streams not re-initialised);
+    an adapter of other settings is refused by name."""
+    from vllm_specstream.config import ConfigError
+
+    first = train(args_for(tiny_base, tmp_path / "first", steps=2), progress=False)
+    again = args_for(tiny_base, tmp_path / "again", steps=2, init_from=str(first))
+    again.lr = again.stream_lr = 0.0
+    train(again, progress=False)
+    for name in ("specstream.safetensors", "adapter_model.safetensors"):
+        before, after = (load_file(str(d / name)) for d in (first, tmp_path / "again"))
+        assert before.keys() == after.keys()
+        for k in before:
+            torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+    other = args_for(tiny_base, tmp_path / "other", steps=1, init_from=str(first))
+    other.spec = SpecStreamConfig(num_streams=3, num_msa_layers=2)
+    with pytest.raises(ConfigError, match="its num_streams is 2, this run's 3"):
+        train(other, progress=False)
+
+
 def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeypatch):
     full = train(args_for(tiny_base, tmp_path / "full"), progress=False)
     # Kill the run during step 4 (step 3 logged, last save at step 2), then run it again.

@@ -62,9 +62,10 @@ class TrainArgs:
     "streams-only" (streams on the frozen ``base``: no LoRA on the main stream, a stream LoRA
     (``spec.stream_lora_rank``) on the stream rows; outputs stay the base model's)."""
     init_from: str | None = None
-    """Objective "prune": the trained specstream adapter that the pruning adapter is added
-    to (its LoRA and streams are loaded and stay frozen; the output is that adapter plus the
-    pruning tensors)."""
+    """A trained adapter to start from. Objective "prune": the adapter the pruning adapter is
+    added to (its LoRA and streams are loaded and stay frozen; the output is that adapter
+    plus the pruning tensors); the other objectives train its LoRA and streams further
+    (same ``spec`` settings)."""
     distill: str | None = None
     """Self-distillation file (JSONL of ``messages`` and ``completion``): every example's
     completion is replaced by the base model's own greedy reply to its prompt, so that
@@ -325,6 +326,22 @@ class SpecStreamJob:
         self.model: SpecStreamModel = build_model(
             args.base, args.spec, lora, torch.float32, args.stream_init_std
         )
+        if args.init_from:
+            self._continue_from(Path(args.init_from))
+
+    def _continue_from(self, adapter: Path) -> None:
+        """Start from a trained adapter of the same settings (its LoRA and streams)."""
+        from vllm_specstream.config import ConfigError, SpecStreamConfig
+
+        trained = SpecStreamConfig.load(adapter)
+        for name in ("num_streams", "num_msa_layers", "init_rank", "stream_lora_rank"):
+            if getattr(trained, name) != getattr(self.args.spec, name):
+                raise ConfigError(
+                    f"--init-from {adapter}: its {name} is {getattr(trained, name)}, this run's "
+                    f"{getattr(self.args.spec, name)}; train with the adapter's settings"
+                )
+        self.load_trainable(adapter)
+        logger.info("Starting from the adapter %s", adapter)
 
     def loss(self, batch):
         return specstream_loss(self.model, batch, self.args.objective)
@@ -348,7 +365,11 @@ class SpecStreamJob:
     @torch.no_grad()
     def calibrate(self, batch: dict) -> None:
         """Scale the stream embeddings to ``stream_init_scale`` x the residual norm at L0."""
-        if self.args.objective not in STREAM_OBJECTIVES or self.args.stream_init_scale <= 0:
+        if (
+            self.args.objective not in STREAM_OBJECTIVES
+            or self.args.stream_init_scale <= 0
+            or self.args.init_from  # the adapter's streams are the start
+        ):
             return
         model = self.model
         hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"]).msa_input
