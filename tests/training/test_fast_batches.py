@@ -1,6 +1,7 @@
 """Packed rows and the cached frozen prefix give the padded batch's loss and gradients."""
 
 import json
+import logging
 import random
 
 import pytest
@@ -112,13 +113,23 @@ def test_pack_rows_first_fit_and_examples_starting_with_targets_stay_alone():
                               len(batch[1]["input_ids"])])  # fmt: skip
 
 
-def test_fast_training_path_logs_the_same_losses(tiny_base, tmp_path):  # noqa: F811
+def test_fast_training_path_logs_the_same_losses(tiny_base, tmp_path, caplog):  # noqa: F811
     """`specstream train` with packing and the frozen-prefix cache (the default) against
     padded batches recomputed every step: the same loss at every step."""
     logs = {}
     for fast in (False, True):
         out = tmp_path / f"fast-{fast}"
-        train(args_for(tiny_base, out, steps=4, pack=fast, frozen_prefix=fast), progress=False)
+        # 8 steps x 2 see every training example: long enough for the cache to be built.
+        args = args_for(tiny_base, out, steps=8, pack=fast, frozen_prefix=fast)
+        vllm_logger = logging.getLogger("vllm")  # may not propagate once vLLM configured it
+        vllm_logger.addHandler(caplog.handler)
+        try:
+            with caplog.at_level(logging.INFO, logger="vllm"):
+                train(args, progress=False)
+        finally:
+            vllm_logger.removeHandler(caplog.handler)
+        assert ("output for" in caplog.text) == fast  # the cache was built (fast path only)
+        caplog.clear()
         assert not (out / "frozen_prefix.pt").exists()  # a finished run drops its cache
         logs[fast] = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     for slow, fast in zip(logs[False], logs[True], strict=True):

@@ -217,6 +217,16 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
     if args.frozen_prefix:
         start = model.lm.config.num_hidden_layers if medusa else first_trainable_layer(model)
     hidden = None
+    seen = args.steps * args.batch_size * args.grad_accum
+    if start > 0 and seen < len(train_set):
+        # Caching every example costs more than the run's own steps would spend on them.
+        logger.info(
+            "Frozen-prefix cache skipped: the run sees %d examples, fewer than the %d it "
+            "would cache",
+            seen,
+            len(train_set),
+        )
+        start = 0
     if start > 0:
         h = model.lm.config.hidden_size
         gib = sum(len(e["input_ids"]) for e in train_set) * h * 4 / 2**30
