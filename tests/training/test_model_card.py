@@ -76,3 +76,11 @@ def test_card_has_the_three_models_and_vllm_rows(tmp_path):
     assert card.count("| medusa |") == 1  # batch 1 only
     assert "5 min of training" in card  # 300 s over two segments
     assert "cut by group, val_fraction 0.15, seed 0" in card
+    assert "| tokens_per_step, tree (top-2) | 3.30 |" in card
+    assert "identical outputs: True" in card
+    # A chain-only eval (--tree-top-k 0) has no tree row and says so.
+    chain_only = {**result, "tokens_per_step": {"chain": 2.9, "tree": None, "tree_top_k": 0}}
+    (tmp_path / "eval.json").write_text(json.dumps(chain_only))
+    main([str(adapter), "--eval", str(tmp_path / "eval.json"), "--command", "cmd"])
+    card = (adapter / "README.md").read_text()
+    assert "tokens_per_step, tree" not in card and "Chain decoding only" in card

@@ -27,6 +27,13 @@ def _train_summary(adapter_dir: Path) -> tuple[dict, float | None]:
     return args, wall
 
 
+def _identity_line(result: dict) -> str:
+    """Whether chain and tree decoding agreed (a chain-only eval has nothing to compare)."""
+    if result["tokens_per_step"].get("tree") is None:
+        return "Chain decoding only (`--tree-top-k 0`)."
+    return f"Chain and tree decoding gave identical outputs: {result['chain_tree_identical']}."
+
+
 def _measured_on(result: dict) -> str:
     data = result.get("data")
     if not data:
@@ -80,7 +87,11 @@ def write_model_card(
     tps = result["tokens_per_step"]
     rows = [
         ("tokens_per_step, chain (reference decoder)", f"{tps['chain']:.2f}"),
-        (f"tokens_per_step, tree (top-{tps['tree_top_k']})", f"{tps['tree']:.2f}"),
+        *(
+            [(f"tokens_per_step, tree (top-{tps['tree_top_k']})", f"{tps['tree']:.2f}")]
+            if tps.get("tree") is not None
+            else []
+        ),
         *((f"{m} (%)", f"{result[m]:.1f}") for m in metrics),
         ("extra_params (over base + LoRA)", f"{result['extra_params']:,}"),
     ]
@@ -114,7 +125,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 |---|---|
 {table}
 
-Chain and tree decoding gave identical outputs: {result["chain_tree_identical"]}.
+{_identity_line(result)}
 {_bench_section(bench)}
 ## Reproduce
 
