@@ -244,7 +244,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
     config.pop("_model_name_or_path", None)
-    config.update({f"{role}_token_id": special[role] for role in SPECIAL_ROLES if role in special})
+    config.update({f"{role}_token_id": i for role, i in special.items()})
     config = type(dequantised.config).from_dict(config)
     config.dtype = STORAGE_DTYPE
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, STORAGE_DTYPE))
@@ -261,8 +261,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(str(out_dir))
 
 
-#: Special tokens whose ids the converted tokenizer and config take from the GGUF.
-SPECIAL_ROLES = ("bos", "eos", "pad")
+#: Special tokens whose ids the converted tokenizer and config take from the GGUF: role ->
+#: the GGUF's key (``tokenizer.ggml.<key>_token_id``).
 _GGUF_KEYS = {"bos": "bos", "eos": "eos", "pad": "padding"}
 
 

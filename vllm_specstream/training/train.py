@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.config import ConfigError, SpecStreamConfig
 from vllm_specstream.logger import init_logger
 from vllm_specstream.training.checkpoint import (
     LoraSettings,
@@ -113,17 +113,18 @@ class TrainArgs:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The device of ``--device`` (``auto``: a CUDA GPU when PyTorch sees one)."""
+    """The device of ``--device`` (``auto``: a CUDA GPU when PyTorch sees one); a bad one is a
+    :class:`ConfigError`, which the CLI shows as one line."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(f"--device {name!r}: {e}") from None
+        raise ConfigError(f"--device {name!r}: {e}") from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
+        raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, got {name!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise ConfigError(
             f"--device {name}: PyTorch {torch.__version__} sees no CUDA GPU; "
             "use --device cpu (or auto)"
         )
@@ -341,8 +342,6 @@ class SpecStreamJob:
 
     def _continue_from(self, adapter: Path) -> None:
         """Start from a trained adapter of the same settings (its LoRA and streams)."""
-        from vllm_specstream.config import ConfigError, SpecStreamConfig
-
         trained = SpecStreamConfig.load(adapter)
         for name in ("num_streams", "num_msa_layers", "init_rank", "stream_lora_rank"):
             if getattr(trained, name) != getattr(self.args.spec, name):
@@ -424,7 +423,6 @@ def _pruning_model(args: TrainArgs) -> SpecStreamModel:
     and threshold); everything but the pruning tensors frozen."""
     import dataclasses
 
-    from vllm_specstream.config import ConfigError
     from vllm_specstream.training.checkpoint import load_adapter
 
     if not args.init_from:
