@@ -4,8 +4,8 @@ paper's OPT-1.3b call reductions, as Markdown and a plot.
 
 Reads, per task, the ``bench.json`` of one ``specstream bench`` run under
 ``benchmarks/results/<task>/`` (:attr:`Task.bench`: the run with the engine on both cores
-where there is one) and the
-``eval-<model>.json`` files beside it (``specstream eval`` on the same validation split):
+where there is one) and the ``eval-<model>.json`` files of ``specstream eval`` on the same
+validation split, from the bench run's directory or else the task's:
 ``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
 ``eval-ntp.json`` (the next-token LoRA baseline's metric). Missing files give missing rows.
 
@@ -82,8 +82,10 @@ def task_rows(task: Task, results: Path) -> list[dict]:
     bench = _read(results / task.name / task.bench)
     if bench is None:  # an earlier run in the task's directory itself
         bench = _read(results / task.name / "bench.json")
-    spec_eval = _read(results / task.name / "eval-specstream.json")
-    ntp_eval = _read(results / task.name / "eval-ntp.json")
+    # The evaluations of the adapter the bench ran: beside its bench.json, else the task's.
+    dirs = (results / task.name / Path(task.bench).parent, results / task.name)
+    spec_eval = next(filter(None, (_read(d / "eval-specstream.json") for d in dirs)), None)
+    ntp_eval = next(filter(None, (_read(d / "eval-ntp.json") for d in dirs)), None)
     by_method = {
         row["method"]: row
         for row in (bench or {}).get("rows", [])

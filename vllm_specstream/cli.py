@@ -439,8 +439,9 @@ def _add_training_parsers(sub) -> None:
         "--init-from",
         metavar="ADAPTER_DIR",
         help="a trained adapter to start from: with --objective prune, the adapter the pruning "
-        "adapter is added to; otherwise its LoRA and streams are trained further (the same "
-        "--num-streams, --num-msa-layers, --init-rank)",
+        "adapter is added to; with --objective medusa, trained heads (OUT of an earlier medusa "
+        "run, same --medusa-heads) to train further; otherwise its LoRA and streams are "
+        "trained further (the same --num-streams, --num-msa-layers, --init-rank)",
     )
     p.add_argument(
         "--stream-lora-rank",

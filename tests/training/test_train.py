@@ -233,6 +233,28 @@ def test_medusa_objective_writes_vllm_medusa_checkpoint(tiny_base, tmp_path):
     assert {"loss_head1", "top1_head3"} <= set(log[-1])
 
 
+def test_medusa_heads_continue_from_trained_heads(tiny_base, tmp_path):
+    """--init-from with objective medusa: the trained heads are the start (at lr 0 they come
+    out unchanged, not the zero init); heads of another count are refused by name."""
+    from vllm_specstream.config import ConfigError
+
+    first = tmp_path / "first"
+    args = args_for(tiny_base, first, steps=2)
+    args.objective, args.medusa_heads = "medusa", 2
+    train(args, progress=False)
+    again = args_for(tiny_base, tmp_path / "again", steps=1, init_from=str(first))
+    again.objective, again.medusa_heads, again.lr = "medusa", 2, 0.0
+    train(again, progress=False)
+    before, after = (load_file(str(d / "model.safetensors")) for d in (first, tmp_path / "again"))
+    assert before["blocks.0.layers.0.weight"].abs().sum() > 0
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0)
+    other = args_for(tiny_base, tmp_path / "other", steps=1, init_from=str(first))
+    other.objective, other.medusa_heads = "medusa", 3
+    with pytest.raises(ConfigError, match="num_heads 2, this run 3; pass --medusa-heads 2"):
+        train(other, progress=False)
+
+
 def test_zero_initialised_medusa_head_copies_the_next_token_head():
     from vllm_specstream.training.medusa import MedusaHeads, medusa_drafts
 

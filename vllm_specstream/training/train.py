@@ -64,8 +64,9 @@ class TrainArgs:
     init_from: str | None = None
     """A trained adapter to start from. Objective "prune": the adapter the pruning adapter is
     added to (its LoRA and streams are loaded and stay frozen; the output is that adapter
-    plus the pruning tensors); the other objectives train its LoRA and streams further
-    (same ``spec`` settings)."""
+    plus the pruning tensors); "medusa": trained heads (same ``medusa_heads``) to train
+    further; the other objectives train its LoRA and streams further (same ``spec``
+    settings)."""
     distill: str | None = None
     """Self-distillation file (JSONL of ``messages`` and ``completion``): every example's
     completion is replaced by the base model's own greedy reply to its prompt, so that
@@ -450,6 +451,22 @@ class MedusaJob:
 
         self.args = args
         self.model = MedusaHeads(load_base_lm(args.base, torch.float32), args.medusa_heads)
+        if args.init_from:
+            self._continue_from(Path(args.init_from))
+
+    def _continue_from(self, heads_dir: Path) -> None:
+        """Start from trained heads (a directory this objective wrote) of the same count."""
+        config = heads_dir / "config.json"
+        try:
+            num_heads = json.loads(config.read_text()).get("num_heads")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--init-from {heads_dir}: not a Medusa checkpoint ({e})") from e
+        if num_heads != self.args.medusa_heads:
+            raise ConfigError(
+                f"--init-from {heads_dir}: {config} has num_heads {num_heads}, this run "
+                f"{self.args.medusa_heads}; pass --medusa-heads {num_heads}"
+            )
+        self.model.load_trainable(heads_dir)
 
     def loss(self, batch):
         return self.model.loss(batch)

@@ -1,0 +1,67 @@
+"""``benchmarks/table1.py``: which bench run and evaluations make a task's rows."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "table1.py"
+
+
+@pytest.fixture(scope="module")
+def table1():
+    spec = importlib.util.spec_from_file_location("table1", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["table1"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("table1", None)
+
+
+def _bench_row(method: str, batch_size: int = 1, speedup: float = 1.0) -> dict:
+    return {
+        "method": method,
+        "temperature": 0,
+        "batch_size": batch_size,
+        "speedup": speedup,
+        "decode_speedup": speedup,
+        "cr_ratio": 2.0,
+        "tokens_per_step": 2.5,
+        "extra_params": 0,
+        "lossless": True,
+    }
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def _eval(rouge1: float, chain: float) -> dict:
+    return {"rouge1": rouge1, "rougeLsum": rouge1 - 5, "tokens_per_step": {"chain": chain}}
+
+
+def test_evaluations_beside_the_bench_run_win_over_the_tasks(table1, tmp_path):
+    task = table1.Task("e2e", "E2E", ("rouge1", "rougeLsum"), 3.72, "run/bench.json")
+    rows = [_bench_row("plain"), _bench_row("specstream", speedup=1.6), _bench_row("ngram", 4)]
+    _write(tmp_path / "e2e" / "run" / "bench.json", {"rows": rows})
+    _write(tmp_path / "e2e" / "eval-specstream.json", _eval(80.0, 2.2))
+    _write(tmp_path / "e2e" / "eval-ntp.json", _eval(79.0, 1.0))
+    _write(tmp_path / "e2e" / "run" / "eval-specstream.json", _eval(83.4, 3.35))
+
+    got = {r["method"]: r for r in table1.task_rows(task, tmp_path)}
+
+    # batch-1 rows only, in the table's order, with the run's own evaluation as the metric
+    assert list(got)[:2] == ["plain", "specstream"] and "ngram" not in got
+    assert got["specstream"]["speedup"] == 1.6 and got["specstream"]["metric"] == "83.4 / 78.4"
+    reference = got["specstream, reference decoder (chain / tree)"]
+    assert reference["tokens_per_step"] == (3.35, None)
+    # no baseline beside the run: the task's
+    assert got["ntp LoRA baseline (same data, steps)"]["metric"] == "79.0 / 74.0"
+    assert "| 3.35 / - |" in table1.markdown(list(got.values()))
+
+
+def test_a_task_without_results_has_no_rows(table1, tmp_path):
+    assert table1.task_rows(table1.TASKS[0], tmp_path) == []
