@@ -44,7 +44,7 @@ TASKS = (
         "E2E NLG (unseen MRs)",
         ("rouge1", "rougeLsum"),
         3.72,
-        "nobind-trees-medusa/bench.json",
+        "ss4/bench.json",
     ),
     Task(
         "dialogsum",
