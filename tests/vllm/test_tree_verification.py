@@ -87,8 +87,9 @@ def e2e(base_model_dir, tmp_path_factory):
             trees=True,
             follow_up=8,
         ),
-        # the tree's width by batch size (a schedule: the whole tree while at most four
-        # requests run, its first six nodes beside more), pruned at the checkpoint's
+        # the tree's width by batch size (a schedule: its first six nodes while all twelve
+        # requests run, the whole tree once one has finished; a split that does not hang
+        # on how many steps the last few requests run alone), pruned at the checkpoint's
         # threshold: trees the proposer cut to a prefix of the template, pruned again
         "widths": run_engine(
             ckpt,
@@ -97,7 +98,7 @@ def e2e(base_model_dir, tmp_path_factory):
             requests,
             env=TREES,
             trees=True,
-            spec_options={SCHEDULE: [(1, 4, NODES), (5, 64, 6)]},
+            spec_options={SCHEDULE: [(1, 11, NODES), (12, 64, 6)]},
         ),
     }
     return ckpt, tok, requests, plain, runs
@@ -161,9 +162,9 @@ def test_tree_acceptance_equals_the_reference_decoders(e2e, kind):
 
 
 def test_tree_widths_chosen_per_step_are_lossless(e2e):
-    # Each step's trees as wide as the schedule says for its batch size (12 requests: more
-    # than four at first, fewer as they finish), pruned by the early-exit head: the
-    # outputs equal plain decoding's, and both widths were verified.
+    # Each step's trees as wide as the schedule says for its batch size (12 requests at
+    # first, fewer as they finish), pruned by the early-exit head: the outputs equal plain
+    # decoding's, and both widths were verified.
     _, _, _, plain, runs = e2e
     widths = runs["widths"]
     assert widths["tokens"] == plain["tokens"]
