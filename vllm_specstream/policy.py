@@ -6,9 +6,11 @@ AVX-512), on the batch size (at batch 1 a step is bound by reading the weights, 
 requests by arithmetic) and on how many drafts the target accepts (the checkpoint, the
 task, the prompts). The default policy weighs all three every step:
 
-* **cost**: the measured cost of a step with ``k`` drafts over a plain step at this batch
-  size on this CPU class (:mod:`vllm_specstream.step_cost`), corrected by the step times the
-  engine itself measures (:class:`MeasuredCost`);
+* **cost**: the cost of a step with ``k`` drafts over a plain step at this batch size, as
+  the engine itself times it once it has drafted ``k`` often enough, before that the table
+  measured on this CPU class (:mod:`vllm_specstream.step_cost`) corrected by the steps timed
+  so far (:class:`MeasuredCost`); while a draft length that might pay is untimed, a few
+  steps now and then draft it to time it;
 * **acceptance**: :class:`AcceptanceStats`, a running estimate from what vLLM verified of
   the chance that draft position ``j`` is accepted (decayed counts, so it follows the
   traffic, and a prior so that a fresh engine drafts);
@@ -22,9 +24,14 @@ tree's tokens come from its own :class:`TreeStats` (what its steps accepted; bef
 model of the template over the chains' acceptance: :func:`template_tokens`), its cost from
 the steps this engine timed with it; an untimed tree costs the table's chain of as many rows
 times the overhead the timed trees showed. While some tree is untimed at a batch size, one
-drafting step in ``tree_probe_every`` drafts the likeliest of them to time it (skipping
+drafting step in ``timing_probe_every`` drafts the likeliest of them to time it (skipping
 those that would not come near the best choice once a tree's overhead is known), so trees,
 their width and pruning run only where they beat the best chain on this CPU.
+
+In a window engine each chain length is also weighed with its streams run at the requests'
+anchors after the step instead of in the window (:class:`AnchoredChain`: the ``accepted``
+placement's cost, from its own table until timed), so the engine drafts from the window at
+batch 1 and from the anchors where the window's ``k + 1`` times more stream rows cost more.
 
 A user's batch-size schedule in vLLM's own format (``num_speculative_tokens_per_batch_size``,
 read with vLLM's validator in :mod:`vllm_specstream.vllm_schedule`) replaces the cost model.
@@ -123,13 +130,30 @@ class TreeChoice:
         return f"tree{self.nodes}" + ("-pruned" if self.prune else "")
 
 
-#: A step's drafts per request: 0 (none), a chain of that many, or a tree.
-Choice = int | TreeChoice
+@dataclass(frozen=True)
+class AnchoredChain:
+    """In a window engine, a chain of ``k`` drafts whose streams run at each request's last
+    accepted token after the step (the ``accepted`` placement's way) instead of at every
+    position of the next forward's window: ``k + 1`` times fewer stream rows for one more
+    pass over the top layers, cheaper where a step is bound by arithmetic (from batch 4 on
+    AVX2 CPUs), dearer where it is bound by reading the weights (batch 1)."""
+
+    k: int
+
+    def __str__(self) -> str:
+        return f"k{self.k}-anchored"
+
+
+#: A step's drafts per request: 0 (none), a chain of that many (its streams in the window
+#: or at the anchors), or a tree.
+Choice = int | AnchoredChain | TreeChoice
 
 
 def rows_of(choice: Choice) -> int:
     """Draft rows per request a step of ``choice`` verifies."""
-    return choice.nodes if isinstance(choice, TreeChoice) else int(choice)
+    if isinstance(choice, TreeChoice):
+        return choice.nodes
+    return choice.k if isinstance(choice, AnchoredChain) else int(choice)
 
 
 def tree_widths(num_nodes: int, chain: int) -> list[int]:
@@ -223,24 +247,34 @@ def batch_bucket(batch_size: int) -> int:
 
 @dataclass
 class MeasuredCost:
-    """The step-cost table, corrected by the step times this engine measures.
+    """Step costs as this engine times them, the step-cost table where it has not.
 
-    The tables time the model's forward alone, on one machine; a real step also samples,
-    schedules and rejects, and a machine may be slower or busier than the one measured, so
-    a ratio read from the table can be optimistic by more than the policy's margin. Here
-    the proposer records the wall time between its calls (one engine step) per batch-size
-    bucket and draft length; once a bucket has enough plain (k = 0) and drafting steps, the
-    measured ratio over the table's, a median over the draft lengths seen, scales the
-    table's ratios of that bucket. Steps whose batch changed (a prefill, a request that
-    finished) are not recorded: they are not decode steps of one batch.
+    The tables time the model's forward alone, on one machine and checkpoint; a real step
+    also samples, schedules and rejects, a machine may be slower or busier than the one
+    measured, and a checkpoint's stream pass costs with its ``num_msa_layers`` (a table
+    measured with 8 prices 4 drafts at 2.06 plain steps at batch 1 on AVX2, the 15-layer
+    E2E checkpoint's steps cost 1.83 there), so a ratio read from the table can be off by
+    more than the policy's margin. Here the proposer records the wall time between its
+    calls (one engine step) per batch-size bucket and draft length; once a bucket has enough
+    plain (k = 0) steps and steps of a choice, that choice costs its own measured ratio; an
+    untimed chain costs the table's ratio times the median, over the timed chains, of
+    measured over table. Steps whose batch changed (a prefill, a request that finished) are
+    not recorded: they are not decode steps of one batch.
     """
 
     table: StepCostTable
+    anchored_table: StepCostTable | None = None
+    """The ``accepted`` placement's table, for :class:`AnchoredChain` choices (a window
+    engine's ``table`` is the window placement's)."""
     direct: frozenset = frozenset()
-    """Choices whose steps are of another kind than the table's (the trees): once timed,
-    their own ratio to a plain step is used, and they stay out of the correction of the
-    chains; an untimed one costs the table's chain of as many rows times the median overhead
-    the timed ones showed over that (:meth:`tree_overhead`)."""
+    """Choices whose steps are of another kind than the table's (the trees): they stay out
+    of the correction of the chains; an untimed one costs the table's chain of as many rows
+    times the median overhead the timed ones showed over that (:meth:`tree_overhead`)."""
+    measure: bool = True
+    """Whether step times are recorded. Not under tensor parallelism: every rank chooses
+    its drafts alone and must choose as the others do (each runs the streams' sharded
+    layers), and ranks' clocks differ; the tables and the acceptance (the same tokens on
+    every rank) are the same everywhere."""
     window: int = 32
     """Step times kept per (bucket, draft length): medians follow the recent traffic."""
     min_samples: int = 6
@@ -248,6 +282,8 @@ class MeasuredCost:
     times: dict[tuple[int, Choice], deque] = field(default_factory=dict, init=False)
 
     def record(self, batch_size: int, k: Choice, seconds: float) -> None:
+        if not self.measure:
+            return
         key = (batch_bucket(batch_size), k)
         self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
 
@@ -284,18 +320,24 @@ class MeasuredCost:
     def ratio(self, batch_size: int, k: Choice) -> float:
         if k == 0:
             return 1.0
+        own = self.measured_ratio(batch_size, k)
+        if own is not None:
+            return own
         if k in self.direct:
-            own = self.measured_ratio(batch_size, k)
-            return (
-                own
-                if own is not None
-                else self._chain_like(batch_size, k) * self.tree_overhead(batch_size)
-            )
+            return self._chain_like(batch_size, k) * self.tree_overhead(batch_size)
         return self._chain_like(batch_size, k)
 
+    def timed(self, batch_size: int, k: Choice) -> bool:
+        """Whether this batch size's bucket has enough steps of ``k`` to count."""
+        return self._median(batch_bucket(batch_size), k) is not None
+
     def _chain_like(self, batch_size: int, k: Choice) -> float:
-        """The table's ratio for a chain of as many rows, corrected by the measured steps."""
-        return self.table.ratio(batch_size, rows_of(k)) * self.correction(batch_size)
+        """The table's ratio for a chain of as many rows (an anchored chain: the
+        ``accepted`` table's), corrected by the measured steps."""
+        table = self.table
+        if isinstance(k, AnchoredChain) and self.anchored_table is not None:
+            table = self.anchored_table
+        return table.ratio(batch_size, rows_of(k)) * self.correction(batch_size)
 
     def tree_overhead(self, batch_size: int) -> float:
         """Median, over the direct choices timed at this batch size's bucket, of their
@@ -406,12 +448,20 @@ class DraftPolicy:
     """The engine's draft tree (None: chains only); each of ``trees`` is a prefix of it."""
     trees: tuple[TreeChoice, ...] = ()
     """The trees weighed each step (:func:`tree_choices`)."""
-    tree_probe_every: int = 16
-    """While some tree's cost at this batch size is not yet timed, one drafting step in
-    this many drafts one (it costs at most a few tenths of a step each)."""
+    anchored: tuple[AnchoredChain, ...] = ()
+    """A window engine's chains with their streams at the anchors, weighed each step."""
+    timing_probe_every: int = 16
+    """While some choice's cost at this batch size is not yet timed (a tree, or a chain
+    length within ``probe_reach``), one drafting step in this many starts a probe of the
+    likeliest (it costs at most a few tenths of a step per probe step)."""
+    chain_probe_steps: int = 3
+    """Steps a probe of a chain length lasts: with the window placement a step's drafts
+    come from the streams the previous forward ran, so a chain longer than the last step's
+    gets all its drafts, and a step of it times as itself, from its second step on."""
     probe_reach: float = 0.7
-    """Once a tree is timed at a batch size, an untimed one is probed there only if its
-    estimated speedup is at least this share of the best choice's."""
+    """An untimed chain length is probed only if its estimated speedup is at least this
+    share of the best choice's; so is an untimed tree once some tree is timed at this batch
+    size (its overhead known)."""
     calibrate_every: int = 16
     """While the batch's bucket has drafting step times but too few plain ones to compare
     (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing."""
@@ -419,6 +469,8 @@ class DraftPolicy:
     idle_steps: int = field(default=0, init=False)
     drafting_steps: int = field(default=0, init=False)
     chain_steps: int = field(default=0, init=False)
+    probing: tuple[Choice, int] | None = field(default=None, init=False)
+    """The probe under way and how many more steps it lasts."""
     decisions: dict[Choice, int] = field(default_factory=dict, init=False)
     """How many steps got each choice (for :meth:`summary`)."""
     _tree_priors: tuple[bytes, np.ndarray] | None = field(default=None, init=False)
@@ -457,7 +509,7 @@ class DraftPolicy:
         rates = self.stats.accept_rates() if rates is None else rates
         if isinstance(k, TreeChoice):
             return self.tree_stats[k].expected_tokens(self._tree_prior(k.nodes, rates))
-        return tokens_per_step(rates, k)
+        return tokens_per_step(rates, rows_of(k))  # a chain's drafts, wherever its streams ran
 
     def _tree_prior(self, nodes: int, rates: np.ndarray) -> float:
         """:func:`template_tokens` of the template's first ``nodes`` nodes under ``rates``."""
@@ -474,8 +526,9 @@ class DraftPolicy:
         return self.expected_tokens(k, rates) / self.cost.ratio(batch_size, k)
 
     def lengths(self) -> list[Choice]:
-        """The choices that draft: chains of ``1..k_max`` and the trees."""
-        return [*range(1, self.k_max + 1), *self.trees]
+        """The choices that draft: chains of ``1..k_max`` (also anchored where weighed) and
+        the trees."""
+        return [*range(1, self.k_max + 1), *self.anchored, *self.trees]
 
     def best_length(self, batch_size: int, rates: np.ndarray | None = None) -> Choice:
         """The choice of highest expected speedup under ``rates`` (default: the estimate);
@@ -501,12 +554,20 @@ class DraftPolicy:
                 self.drafting_steps += 1
                 if self.drafting_steps % self.calibrate_every == 0:
                     return 0  # a calibration step: a plain step's time at this batch size
-            probe = self._tree_to_time(batch_size, k)
+            if self.probing is not None:
+                probe, left = self.probing
+                self.probing = (probe, left - 1) if left > 1 else None
+                return probe
+            probe = self._choice_to_time(batch_size, k)
             if probe is not None and probe != k:
                 self.chain_steps += 1
-                if self.chain_steps % self.tree_probe_every == 0:
-                    return probe  # a tree probe: that tree's step time at this size
+                if self.chain_steps % self.timing_probe_every == 0:
+                    # a probe: that choice's step time at this size
+                    steps = 1 if isinstance(probe, TreeChoice) else self.chain_probe_steps
+                    self.probing = (probe, steps - 1) if steps > 1 else None
+                    return probe
             return k
+        self.probing = None
         prior_k = self.best_length(batch_size, self.stats.prior_rates())
         if prior_k == 0:
             return 0  # no acceptance would pay at this batch size: nothing to learn
@@ -517,29 +578,35 @@ class DraftPolicy:
         self.stats.forget(0.5)
         return prior_k
 
-    def _tree_to_time(self, batch_size: int, best: Choice) -> TreeChoice | None:
-        """The untimed tree to probe at this batch size (None: none is worth it): the one of
-        highest estimated speedup; once a tree is timed here (its overhead known), only one
-        within ``probe_reach`` of the best choice's."""
-        if not isinstance(self.cost, MeasuredCost):
+    def _choice_to_time(self, batch_size: int, best: Choice) -> Choice | None:
+        """The untimed choice to probe at this batch size (None: none is worth it): of the
+        untimed chain lengths within ``probe_reach`` of the best choice's estimated speedup
+        and the untimed trees (before any tree is timed here, all of them: an untimed tree's
+        estimate has no overhead measured yet; after, those within reach too), the one of
+        highest estimated speedup."""
+        cost = self.cost
+        if not isinstance(cost, MeasuredCost) or not cost.measure:
             return None
-        untimed = [
-            t
-            for t in self.trees
-            if t in self.cost.direct and self.cost.measured_ratio(batch_size, t) is None
-        ]
-        if not untimed:
-            return None
-        speedup = {t: self.expected_speedup(batch_size, t) for t in untimed}
-        probe = max(untimed, key=speedup.__getitem__)
         reach = self.probe_reach * self.expected_speedup(batch_size, best)
-        if len(untimed) < len(self.trees) and speedup[probe] < reach:
-            return None
-        return probe
+        untimed_trees = [
+            t for t in self.trees if t in cost.direct and cost.measured_ratio(batch_size, t) is None
+        ]
+        any_tree_timed = len(untimed_trees) < len(self.trees)
+        speedup = {
+            c: self.expected_speedup(batch_size, c)
+            for c in (*range(1, self.k_max + 1), *self.anchored, *untimed_trees)
+            if c != best and not (not isinstance(c, TreeChoice) and cost.timed(batch_size, c))
+        }
+        candidates = [
+            c
+            for c, s in speedup.items()
+            if s >= reach or (isinstance(c, TreeChoice) and not any_tree_timed)
+        ]
+        return max(candidates, key=speedup.__getitem__, default=None)
 
 
 def _label(k: Choice) -> str:
-    return str(k) if isinstance(k, TreeChoice) else f"k{k}"
+    return str(k) if isinstance(k, (TreeChoice, AnchoredChain)) else f"k{k}"
 
 
 def lookup_length(lookup: Sequence[int], batch_size: int) -> int:

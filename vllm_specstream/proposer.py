@@ -21,6 +21,7 @@ from vllm_specstream.model_executor.tree_step import WORKER_TREES, tree_problem
 from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
 from vllm_specstream.policy import (
     AcceptanceStats,
+    AnchoredChain,
     Choice,
     DraftPolicy,
     MeasuredCost,
@@ -129,6 +130,8 @@ class SpecStreamProposer:
     def __init__(self, vllm_config):
         options = read_options(vllm_config)
         self.k = options.num_speculative_tokens
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         user = options.schedule
         self.policy: DraftPolicy | None = None
         self.lookup: list[int] | None = None
@@ -150,6 +153,8 @@ class SpecStreamProposer:
         self.tree = None
         #: Why requests drafted chains in a tree engine, each said once.
         self._chain_reasons: set[str] = set()
+        #: Whether the first anchored chain (window engine) was said.
+        self._said_anchored = False
         #: Batch rows that got a tree in this call (the chain estimate leaves them out).
         self._tree_rows: set[int] = set()
         #: The tree those rows got (its estimate takes their accepted paths next call).
@@ -180,15 +185,29 @@ class SpecStreamProposer:
             )
         if self.policy is not None and self.policy.cost is None:
             table, note = table_for(placement)
-            self.policy.cost = MeasuredCost(table, direct=frozenset(self.policy.trees))
+            anchored = None
+            if target_model.placement == "window":
+                # Each chain also with its streams at the anchors after the step.
+                anchored, _ = table_for("accepted")
+                self.policy.anchored = tuple(AnchoredChain(k) for k in range(1, self.k + 1))
+            self.policy.cost = MeasuredCost(
+                table,
+                anchored_table=anchored,
+                direct=frozenset(self.policy.trees),
+                measure=self.tp_size == 1,
+            )
             logger.info(
                 "specstream drafts up to %d per request, as many as pay on this CPU (placement "
-                "%s, step cost table: %s%s; set num_speculative_tokens_per_batch_size to fix "
+                "%s, step cost table: %s%s%s; set num_speculative_tokens_per_batch_size to fix "
                 "the schedule)",
                 self.k,
                 placement,
                 table.cpu_class,
                 f"; {note}" if note else "",
+                ""
+                if self.tp_size == 1
+                else "; not corrected by timed steps under tensor parallelism: every rank "
+                "must choose alike",
             )
 
     def draft_length(self, batch_size: int) -> Choice:
@@ -210,12 +229,27 @@ class SpecStreamProposer:
                 self.policy.cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
             )
         k = self.draft_length(len(sampled_token_ids))
+        if isinstance(k, AnchoredChain) and not self._said_anchored:
+            self._said_anchored = True
+            logger.info(
+                "specstream runs the streams at the requests' anchors at batch %d: "
+                "cheaper there than at every window position",
+                len(sampled_token_ids),
+            )
         self.calls += 1
         if self.policy is not None and self.calls % SUMMARY_EVERY == 0:
             logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
-        # The next forward's window streams (if placed there).
+        # This step's drafts come from the streams the last forward ran at its window, or
+        # (it kept its MSA input instead) from streams run now at the anchors.
+        from_anchors = stash is not None and stash.msa_input is not None
+        window_ran = self.target.window_streams
+        # The next forward's window streams (if placed there; none for anchored drafts).
         self.target.window_streams = (
-            k if self.tree is None else min(rows_of(k), self.tree.num_streams)
+            0
+            if isinstance(k, AnchoredChain)
+            else k
+            if self.tree is None
+            else min(rows_of(k), self.tree.num_streams)
         )
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
@@ -230,10 +264,16 @@ class SpecStreamProposer:
             self.policy.stats.record_proposed(
                 [[] if r in trees else d for r, d in enumerate(drafts)] if trees else drafts
             )
-            # A step's time is filed under a tree only if it verified trees.
+            # A step's time is filed under a tree only if it verified trees, under a chain
+            # only if its drafts came from where that choice runs its streams, as many.
             if isinstance(k, TreeChoice) and not trees:
                 k = min(k.nodes, self.tree.num_streams)
-            self.step_timer.proposed(k if any(drafts) else 0, k)
+            drafted = k
+            if not isinstance(k, TreeChoice) and k != 0:
+                anchored = isinstance(k, AnchoredChain) or self.target.placement != "window"
+                if from_anchors != anchored or (not anchored and window_ran < k):
+                    drafted = None
+            self.step_timer.proposed(drafted if any(drafts) else 0, k)
         return drafts
 
     def _record_tree_rows(self, sampled_token_ids):
@@ -282,8 +322,11 @@ class SpecStreamProposer:
             return no_drafts, "no request's last accepted token was in the last forward"
         if self.tree is not None:
             return self._tree_drafts(stash, k, rows, indices, len(sampled_token_ids))
+        k = rows_of(k)
         table = stash.draft_table
-        if self.target.placement == "accepted":
+        if stash.msa_input is not None:
+            # Placement "accepted", or a window forward that ran no streams (the step before
+            # drafted nothing or anchored drafts): the streams run now, at the anchors.
             table = self.target.draft_at(stash, rows, indices, k)
         drafts = drafts_at(len(sampled_token_ids), rows, indices, table, k)
         why_none = "the streams left no draft at any request's anchor"

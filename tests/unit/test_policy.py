@@ -20,6 +20,7 @@ from vllm_specstream.options import (
 )
 from vllm_specstream.policy import (
     AcceptanceStats,
+    AnchoredChain,
     DraftPolicy,
     MeasuredCost,
     StepTimer,
@@ -196,6 +197,7 @@ class _Target:
 
     spec_config = None
     no_stash_reason = None
+    window_streams = 4
 
     def __init__(self, num_requests: int):
         n = num_requests
@@ -250,6 +252,71 @@ def test_proposer_policy_learns_from_what_was_kept():
     assert proposer.target.window_streams == 0  # the window placement runs no streams
 
 
+class _WindowTarget(_Target):
+    """A window engine's model: the forward ran ``streams`` streams at its window (their
+    columns of the draft table), or none (it kept its MSA input: ``draft_at`` runs them)."""
+
+    def __init__(self, n: int, streams: int):
+        super().__init__(n)
+        table = torch.full((n, 4), -1)
+        table[:, :streams] = torch.tensor([11, 12, 13, 14])[:streams]
+        self.stash.draft_table = table
+        if streams == 0:
+            self.stash.msa_input = torch.zeros(n, 8)
+        self.ran_at_anchors: list[int] = []
+
+    def default_placement(self):
+        return "window"
+
+    def draft_at(self, stash, rows, indices, num_streams=0):
+        if stash.msa_input is not None:
+            self.ran_at_anchors.append(num_streams)
+            stash.draft_table[:, :num_streams] = torch.tensor([11, 12, 13, 14])[:num_streams]
+            stash.msa_input = None
+        return stash.draft_table
+
+
+def test_window_engine_drafts_right_after_a_step_without_streams():
+    # A step that drafted nothing ran no window streams in the next forward; the step after
+    # it drafts all the same: its streams run at the requests' anchors.
+    proposer = SpecStreamProposer(_vllm_config(4, [(1, 64, 2)]))
+    target = _WindowTarget(2, streams=0)
+    proposer.load_model(target)
+    assert proposer.propose([[1]] * 2, np.full(2, 7), None) == [[11, 12]] * 2
+    assert target.ran_at_anchors == [2]
+    target = _WindowTarget(2, streams=2)  # the streams ran in the forward: not again
+    proposer.load_model(target)
+    assert proposer.propose([[1]] * 2, np.full(2, 7), None) == [[11, 12]] * 2
+    assert target.ran_at_anchors == []
+
+
+def test_steps_are_timed_under_a_chain_only_when_their_drafts_came_as_it_makes_them():
+    # Window placement: a step's drafts come from the streams the last forward ran at its
+    # window, or, where it ran none, from streams run at the anchors. A step is timed as a
+    # chain of k only when its drafts came from k window streams, as an anchored chain only
+    # when they came from the anchors (the step verifying them runs no window streams).
+    a2 = AnchoredChain(2)
+    proposer = SpecStreamProposer(_vllm_config(4))
+    target = _WindowTarget(1, 4)
+    proposer.load_model(target)
+    assert proposer.policy.anchored == tuple(AnchoredChain(k) for k in range(1, 5))
+    timed, lengths, windows = [], [], []
+    for k in [2, 4, 4, 0, 3, 2, a2, a2, 2, 2]:
+        # this step's forward ran the streams the last call asked for (4 at first)
+        target.stash = _WindowTarget(1, target.window_streams).stash
+        proposer.draft_length = lambda batch_size, k=k: k
+        lengths.append(len(proposer.propose([[1]], np.full(1, 7), None)[0]))
+        timed.append(proposer.step_timer.last_k)
+        windows.append(target.window_streams)
+    assert lengths == [2, 2, 4, 0, 3, 2, 2, 2, 2, 2]
+    assert windows == [2, 4, 4, 0, 3, 2, 0, 0, 2, 2]
+    assert timed == [2, None, 4, 0, None, 2, None, a2, None, 2]
+    # An accepted-placement engine drafts every chain from the anchors: no anchored twins.
+    accepted = SpecStreamProposer(_vllm_config(4))
+    accepted.load_model(_Target(1))
+    assert accepted.policy.anchored == ()
+
+
 def test_confident_drafts_cut_at_the_cumulative_probability():
     tokens = torch.tensor([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]])
     top_prob = torch.tensor(
@@ -287,6 +354,72 @@ def test_measured_step_times_correct_the_table():
     few.record(1, 2, 0.075)
     assert few.correction(1) == 1.0 and few.needs_plain_steps(1)
     assert not cost.needs_plain_steps(1)
+
+
+#: The AVX2 window table's batch-1 row (measured on a checkpoint of 8 MSA layers): 4 drafts
+#: at 2.06 plain steps, where a checkpoint of 15 costs 1.83.
+PRICEY_FOUR = StepCostTable("test", (1,), {1: (1.45,), 2: (1.45,), 4: (2.06,)}, "test")
+
+
+def test_policy_times_the_chain_lengths_that_might_pay_and_drafts_the_best_timed():
+    # E2E-like acceptance (3.29 tokens per step with 4 drafts). Timed 2 drafts at the
+    # table's 1.45 (1.66x); by the table 3 drafts give 1.64x, 4 give 1.60x, 1 gives 1.23x.
+    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
+    stats.proposed[:] = 100
+    stats.accepted[:] = [78, 62, 48, 41]
+    cost = MeasuredCost(PRICEY_FOUR, min_samples=2)
+    for _ in range(2):
+        cost.record(1, 0, 0.05)
+        cost.record(1, 2, 0.0725)
+    policy = DraftPolicy(4, cost, stats, timing_probe_every=4, chain_probe_steps=2)
+    assert policy.best_length(1) == 2
+    # One step in four starts a two-step probe of the likeliest untimed length.
+    assert [policy.draft_length(1) for _ in range(10)] == [2, 2, 2, 3, 3, 2, 2, 2, 3, 3]
+    for _ in range(2):
+        cost.record(1, 3, 0.09)  # dearer than the table said: 1.60x
+    assert [policy.draft_length(1) for _ in range(5)] == [2, 2, 2, 4, 4]
+    for _ in range(2):
+        cost.record(1, 4, 0.0915)  # cheaper: 1.83 plain steps, 1.80x
+    assert cost.ratio(1, 4) == pytest.approx(1.83)  # its own time, not the table's
+    assert policy.best_length(1) == 4
+    # One draft stays untimed: at 1.23x it is out of reach of 1.80x, never probed.
+    assert [policy.draft_length(1) for _ in range(12)] == [4] * 12
+
+
+def test_window_engine_drafts_from_the_anchors_where_window_streams_are_dear():
+    # The AVX2 tables, E2E-like acceptance (3.29 tokens with 4 drafts). At batch 1 window
+    # streams are the cheaper for 2 drafts; at batch 4, 4 drafts cost 4.24 plain steps with
+    # window streams (4 streams at 5 positions), 2.26 at the anchors: without anchored chains
+    # no length beats plain decoding by the margin there.
+    window, _ = table_for("window", "avx2")
+    accepted, _ = table_for("accepted", "avx2")
+    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
+    stats.proposed[:] = 100
+    stats.accepted[:] = [78, 62, 48, 41]
+    anchored = tuple(AnchoredChain(k) for k in range(1, 5))
+    policy = DraftPolicy(4, MeasuredCost(window, anchored_table=accepted), stats, anchored=anchored)
+    assert policy.cost.ratio(1, 2) < policy.cost.ratio(1, AnchoredChain(2))
+    assert policy.best_length(4) == AnchoredChain(4)
+    assert policy.cost.ratio(4, AnchoredChain(4)) == pytest.approx(2.26)
+    assert DraftPolicy(4, MeasuredCost(window), stats).best_length(4) == 0
+    assert "k4-anchored:" in policy.summary(4)
+
+
+def test_tensor_parallel_ranks_choose_by_the_tables_alone():
+    # Every rank's proposer chooses on its own and all must choose alike: no rank's clock
+    # enters the choice (no timed steps, no timing probes, no calibration steps).
+    config = _vllm_config(4)
+    config.parallel_config = SimpleNamespace(tensor_parallel_size=3)
+    proposer = SpecStreamProposer(config)
+    proposer.load_model(_WindowTarget(1, 4))
+    cost = proposer.policy.cost
+    assert not cost.measure
+    for _ in range(8):
+        cost.record(1, 0, 0.05)
+        cost.record(1, 4, 0.06)
+    assert cost.times == {} and not cost.timed(1, 4)
+    choices = {proposer.policy.draft_length(1) for _ in range(64)}
+    assert choices == {proposer.policy.best_length(1)}
 
 
 def test_policy_stops_drafting_where_measured_steps_say_it_does_not_pay():
@@ -383,9 +516,9 @@ T6, T8, T8P = TreeChoice(6), TreeChoice(8), TreeChoice(8, prune=True)
 
 def _tree_policy(trees: dict, chain_s: float = 0.07, table=TABLE, **kw) -> DraftPolicy:
     """k_max 4; trees of 6 and 8 nodes (8 also pruned) of the top-2 template; plain steps
-    0.05 s, chains of 4 ``chain_s``; chains accept 60/40/20/10 in 100 (2.3 tokens per step
-    with k = 4). ``trees`` maps a tree to (its step seconds, 0: untimed; the drafts its rows
-    keep, None: no evidence)."""
+    0.05 s, chains of 4 ``chain_s``, shorter ones timed as the table's shape says; chains
+    accept 60/40/20/10 in 100 (2.3 tokens per step with k = 4). ``trees`` maps a tree to
+    (its step seconds, 0: untimed; the drafts its rows keep, None: no evidence)."""
     from vllm_specstream.draft_trees import tree_template
 
     stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
@@ -394,7 +527,8 @@ def _tree_policy(trees: dict, chain_s: float = 0.07, table=TABLE, **kw) -> Draft
     cost = MeasuredCost(table, direct=frozenset((T6, T8, T8P)), min_samples=4)
     for _ in range(4):
         cost.record(1, 0, 0.05)
-        cost.record(1, 4, chain_s)
+        for k in range(1, 5):
+            cost.record(1, k, chain_s * table.ratio(1, k) / table.ratio(1, 4))
         for tree, (seconds, _) in trees.items():
             if seconds:
                 cost.record(1, tree, seconds)
@@ -447,7 +581,7 @@ def test_policy_probes_the_likeliest_untimed_tree_and_stops_where_none_would_pay
     # tree costs the table's chain of as many rows (6 rows 2.2, 8 rows 2.6): the 6-node
     # tree's prior gives it the best estimate of the trees (2.6 tokens: 1.18x), but chains
     # win; one chain step in four drafts it to time it.
-    policy = _tree_policy({}, chain_s=0.09, table=DEAR_ROWS, tree_probe_every=4)
+    policy = _tree_policy({}, chain_s=0.09, table=DEAR_ROWS, timing_probe_every=4)
     assert policy.best_length(1) == 2
     assert policy.expected_speedup(1, T6) > policy.expected_speedup(1, T8)
     assert [policy.draft_length(1) for _ in range(8)] == [2, 2, 2, T6] * 2
@@ -459,12 +593,12 @@ def test_policy_probes_the_likeliest_untimed_tree_and_stops_where_none_would_pay
     assert [policy.draft_length(1) for _ in range(16)] == [2] * 16
     # Timed cheap (1.4 plain steps), the 8-node trees come within reach of the best (1.67x
     # against 1.86x): they are probed.
-    cheap = _tree_policy({T6: (0.07, None)}, chain_s=0.09, table=DEAR_ROWS, tree_probe_every=4)
+    cheap = _tree_policy({T6: (0.07, None)}, chain_s=0.09, table=DEAR_ROWS, timing_probe_every=4)
     assert cheap.best_length(1) == T6
     probes = [cheap.draft_length(1) for _ in range(8)]
     assert probes == [T6, T6, T6, T8] * 2 or probes == [T6, T6, T6, T8P] * 2
     # An engine without trees never drafts one.
-    chains = _tree_policy({}, tree_probe_every=1)
+    chains = _tree_policy({}, timing_probe_every=1)
     chains.trees = ()
     assert set(chains.draft_length(1) for _ in range(8)) == {4}
 

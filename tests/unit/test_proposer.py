@@ -102,6 +102,7 @@ class _Target:
         self.stash = None
         self.no_stash_reason = None
         self.placement = None
+        self.window_streams = 3
 
     def forward(self, input_ids=(100, 101, 200, 201)):
         self.forward_step += 1

@@ -74,16 +74,25 @@ def generate(
     trees: bool = False,
     follow_up: int = 0,
     spec_options: dict | None = None,
+    adaptive: bool = False,
 ) -> dict:
     """Greedy outputs of ``requests`` (``"lora"``: an adapter directory, with
     ``enable_lora`` in ``engine``); with ``k``, drafting at every batch size (these runs
-    check losslessness, not the policy; ``spec_options``: further ``speculative_config``
-    fields, e.g. a schedule) and per-request speculation metrics."""
+    check losslessness, not the policy) or, with ``adaptive``, as the policy chooses
+    (``spec_options``: further ``speculative_config`` fields, e.g. a schedule), and
+    per-request speculation metrics."""
     from vllm import SamplingParams
 
     extra = {"per_request_spec_decode_metrics": "summary"} if k else {}
     llm = _llm(
-        ckpt, k, placement, spec_options=spec_options, disable_log_stats=False, **engine, **extra
+        ckpt,
+        k,
+        placement,
+        adaptive=adaptive,
+        spec_options=spec_options,
+        disable_log_stats=False,
+        **engine,
+        **extra,
     )
     params = [
         SamplingParams(

@@ -79,7 +79,10 @@ def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=No
     )
     # The proposer never met a stash of another step (the stash's anchor tokens are the
     # requests' last accepted tokens in every step of these runs).
-    assert "refused the model's stream stash" not in out.stdout + out.stderr, out.stderr[-6000:]
+    log = out.stdout + out.stderr
+    assert "refused the model's stream stash" not in log, out.stderr[-6000:]
+    # The adaptive policy of a window engine drafted with streams at the anchors.
+    result["anchored"] = "runs the streams at the requests' anchors" in log
     return result
 
 

@@ -1,6 +1,6 @@
 """Draft trees verified inside vLLM (``$SPECSTREAM_TREE_TOP_K``): lossless on real engines,
-the accepted path's keys/values where vLLM keeps them, acceptance as the reference decoder's.
-(Trees with chunked prefill, preemption and a short ``max_model_len``: the "tree" runs of
+the accepted path's keys/values where vLLM keeps them, acceptance as the reference decoder's;
+on the same adapter, a window engine's chains as the adaptive policy drafts them. (Trees with chunked prefill, preemption and a short ``max_model_len``: the "tree" runs of
 ``test_specstream_engine.py``.)"""
 
 import random
@@ -100,8 +100,21 @@ def e2e(base_model_dir, tmp_path_factory):
             trees=True,
             spec_options={SCHEDULE: [(1, 11, NODES), (12, 64, 6)]},
         ),
+        # chains (no trees) in a window engine, as the adaptive policy drafts them
+        "policy": run_engine(ckpt, 4, engine, requests, placement="window", adaptive=True),
     }
     return ckpt, tok, requests, plain, runs
+
+
+def test_window_engine_policy_drafts_from_the_anchors_too_losslessly(e2e):
+    # The adaptive policy of a window engine on the E2E adapter's acceptance: as the 12
+    # requests finish, the batch passes the sizes where drafts with their streams at the
+    # anchors pay and window streams do not (2-7 requests by the step-cost tables); it
+    # drafts both ways, the outputs equal plain decoding's.
+    _, _, _, plain, runs = e2e
+    run = runs["policy"]
+    assert run["tokens"] == plain["tokens"]
+    assert run["anchored"] and run["metrics"]["vllm:spec_decode_num_drafts"] > 0, run["metrics"]
 
 
 @pytest.mark.parametrize("kind", ["tree", "pruned"])
