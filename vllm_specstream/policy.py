@@ -280,22 +280,34 @@ class MeasuredCost:
     min_samples: int = 6
     """Step times needed per (bucket, draft length) before they count."""
     times: dict[tuple[int, Choice], deque] = field(default_factory=dict, init=False)
+    _medians: dict = field(default_factory=dict, init=False, repr=False)
+    """Medians and corrections computed since the last recorded step: a step's choice
+    prices every choice, each reading the same medians (emptied by :meth:`record`)."""
 
     def record(self, batch_size: int, k: Choice, seconds: float) -> None:
         if not self.measure:
             return
         key = (batch_bucket(batch_size), k)
         self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self._medians.clear()
 
     def _median(self, bucket: int, k: Choice) -> float | None:
-        samples = self.times.get((bucket, k))
-        if samples is None or len(samples) < self.min_samples:
-            return None
-        return float(np.median(samples))
+        key = (bucket, k)
+        if key not in self._medians:
+            samples = self.times.get(key)
+            enough = samples is not None and len(samples) >= self.min_samples
+            self._medians[key] = float(np.median(samples)) if enough else None
+        return self._medians[key]
 
     def correction(self, batch_size: int) -> float:
         """Measured over table ratio at this batch size's bucket (1.0 before enough steps)."""
         bucket = batch_bucket(batch_size)
+        key = ("correction", bucket)
+        if key not in self._medians:
+            self._medians[key] = self._correction(bucket)
+        return self._medians[key]
+
+    def _correction(self, bucket: int) -> float:
         plain = self._median(bucket, 0)
         if plain is None:
             return 1.0

@@ -244,12 +244,9 @@ class SpecStreamProposer:
         from_anchors = stash is not None and stash.msa_input is not None
         window_ran = self.target.window_streams
         # The next forward's window streams (if placed there; none for anchored drafts).
+        streams = 0 if isinstance(k, AnchoredChain) else rows_of(k)
         self.target.window_streams = (
-            0
-            if isinstance(k, AnchoredChain)
-            else k
-            if self.tree is None
-            else min(rows_of(k), self.tree.num_streams)
+            streams if self.tree is None else min(streams, self.tree.num_streams)
         )
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]

@@ -38,6 +38,15 @@ from vllm_specstream.policy import (
 from vllm_specstream.proposer import SpecStreamProposer, drafts_at
 from vllm_specstream.step_cost import TABLES, StepCostTable, table_for
 
+
+def _seen(accepted: list[int]) -> AcceptanceStats:
+    """Acceptance seen on 100 drafts at each of 4 positions (no prior, no decay)."""
+    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
+    stats.proposed[:] = 100
+    stats.accepted[:] = accepted
+    return stats
+
+
 #: A made-up CPU: extra rows cheap at batch 1, dear at 32.
 TABLE = StepCostTable(
     cpu_class="test",
@@ -364,9 +373,7 @@ PRICEY_FOUR = StepCostTable("test", (1,), {1: (1.45,), 2: (1.45,), 4: (2.06,)}, 
 def test_policy_times_the_chain_lengths_that_might_pay_and_drafts_the_best_timed():
     # E2E-like acceptance (3.29 tokens per step with 4 drafts). Timed 2 drafts at the
     # table's 1.45 (1.66x); by the table 3 drafts give 1.64x, 4 give 1.60x, 1 gives 1.23x.
-    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
-    stats.proposed[:] = 100
-    stats.accepted[:] = [78, 62, 48, 41]
+    stats = _seen([78, 62, 48, 41])
     cost = MeasuredCost(PRICEY_FOUR, min_samples=2)
     for _ in range(2):
         cost.record(1, 0, 0.05)
@@ -393,9 +400,7 @@ def test_window_engine_drafts_from_the_anchors_where_window_streams_are_dear():
     # no length beats plain decoding by the margin there.
     window, _ = table_for("window", "avx2")
     accepted, _ = table_for("accepted", "avx2")
-    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
-    stats.proposed[:] = 100
-    stats.accepted[:] = [78, 62, 48, 41]
+    stats = _seen([78, 62, 48, 41])
     anchored = tuple(AnchoredChain(k) for k in range(1, 5))
     policy = DraftPolicy(4, MeasuredCost(window, anchored_table=accepted), stats, anchored=anchored)
     assert policy.cost.ratio(1, 2) < policy.cost.ratio(1, AnchoredChain(2))
@@ -423,9 +428,7 @@ def test_tensor_parallel_ranks_choose_by_the_tables_alone():
 
 
 def test_policy_stops_drafting_where_measured_steps_say_it_does_not_pay():
-    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
-    stats.proposed[:] = 100
-    stats.accepted[:] = [30, 10, 3, 1]  # 1.30 tokens per step with k = 1
+    stats = _seen([30, 10, 3, 1])  # 1.30 tokens per step with k = 1
     table_policy = DraftPolicy(4, TABLE, stats)
     assert table_policy.best_length(1) == 1  # the table: 1.30 / 1.1 = 1.18x
     measured = DraftPolicy(4, _measured(0.05, {1: 0.07}), stats)  # measured k = 1: 1.4
@@ -521,9 +524,7 @@ def _tree_policy(trees: dict, chain_s: float = 0.07, table=TABLE, **kw) -> Draft
     (its step seconds, 0: untimed; the drafts its rows keep, None: no evidence)."""
     from vllm_specstream.draft_trees import tree_template
 
-    stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
-    stats.proposed[:] = 100
-    stats.accepted[:] = [60, 40, 20, 10]
+    stats = _seen([60, 40, 20, 10])
     cost = MeasuredCost(table, direct=frozenset((T6, T8, T8P)), min_samples=4)
     for _ in range(4):
         cost.record(1, 0, 0.05)
