@@ -32,6 +32,9 @@ In a window engine each chain length is also weighed with its streams run at the
 anchors after the step instead of in the window (:class:`AnchoredChain`: the ``accepted``
 placement's cost, from its own table until timed), so the engine drafts from the window at
 batch 1 and from the anchors where the window's ``k + 1`` times more stream rows cost more.
+A window chain chosen right after a forward that ran no window streams costs what that step
+does, an anchored pass and a window step (:class:`WindowEntry`, timed on its own): a run of
+window drafts starts only where its first step pays too.
 
 A user's batch-size schedule in vLLM's own format (``num_speculative_tokens_per_batch_size``,
 read with vLLM's validator in :mod:`vllm_specstream.vllm_schedule`) replaces the cost model.
@@ -144,6 +147,22 @@ class AnchoredChain:
         return f"k{self.k}-anchored"
 
 
+@dataclass(frozen=True)
+class WindowEntry:
+    """In a window engine, a chain of ``k`` window drafts chosen right after a forward that
+    ran no window streams (a step that drafted nothing, or anchored drafts): its drafts
+    come from streams run now at the anchors and the next forward runs ``k`` window
+    streams, so that one step pays an anchored pass and a window step. A cost key, not a
+    choice: such steps are priced and timed on their own, since a policy that priced them as
+    window steps entered bursts of drafting that did not pay (DialogSum at batch 1, AVX2:
+    2.55 plain steps for 1.75 tokens, where a window step of the burst cost 1.6)."""
+
+    k: int
+
+    def __str__(self) -> str:
+        return f"k{self.k}-entry"
+
+
 #: A step's drafts per request: 0 (none), a chain of that many (its streams in the window
 #: or at the anchors), or a tree.
 Choice = int | AnchoredChain | TreeChoice
@@ -153,7 +172,7 @@ def rows_of(choice: Choice) -> int:
     """Draft rows per request a step of ``choice`` verifies."""
     if isinstance(choice, TreeChoice):
         return choice.nodes
-    return choice.k if isinstance(choice, AnchoredChain) else int(choice)
+    return choice.k if isinstance(choice, (AnchoredChain, WindowEntry)) else int(choice)
 
 
 def tree_widths(num_nodes: int, chain: int) -> list[int]:
@@ -335,6 +354,10 @@ class MeasuredCost:
         own = self.measured_ratio(batch_size, k)
         if own is not None:
             return own
+        if isinstance(k, WindowEntry):
+            # untimed: the anchored pass (an anchored chain's extra over a plain step) on
+            # top of the window step
+            return self.ratio(batch_size, AnchoredChain(k.k)) + self.ratio(batch_size, k.k) - 1.0
         if k in self.direct:
             return self._chain_like(batch_size, k) * self.tree_overhead(batch_size)
         return self._chain_like(batch_size, k)
@@ -477,6 +500,9 @@ class DraftPolicy:
     calibrate_every: int = 16
     """While the batch's bucket has drafting step times but too few plain ones to compare
     (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing."""
+    window_idle: bool = False
+    """Whether the last forward of a window engine ran no window streams (the proposer sets
+    it each step): a window chain chosen now costs a :class:`WindowEntry` step."""
     tree_stats: dict[TreeChoice, TreeStats] = field(default_factory=dict, init=False)
     idle_steps: int = field(default=0, init=False)
     drafting_steps: int = field(default=0, init=False)
@@ -498,9 +524,7 @@ class DraftPolicy:
         """One line: the choices made so far, the acceptance estimate, and the cost ratios
         the policy now uses at ``batch_size`` (for debug logs)."""
         rates = " ".join(f"{r:.2f}" for r in self.stats.accept_rates())
-        costs = " ".join(
-            f"{_label(k)}:{self.cost.ratio(batch_size, k):.2f}" for k in self.lengths()
-        )
+        costs = " ".join(f"{_label(k)}:{self.step_cost(batch_size, k):.2f}" for k in self.lengths())
         chosen = " ".join(f"{_label(k)}:{n}" for k, n in self.decisions.items())
         line = f"steps by choice {chosen}; P(accept) {rates}; cost at batch {batch_size} {costs}"
         if self.trees:
@@ -508,7 +532,9 @@ class DraftPolicy:
             line += f"; tokens per tree step expected {tokens}"
         if isinstance(self.cost, MeasuredCost):
             bucket = batch_bucket(batch_size)
-            medians = {k: m for k in [0, *self.lengths()] if (m := self.cost._median(bucket, k))}
+            entries = [WindowEntry(k) for k in range(1, self.k_max + 1)] if self.anchored else []
+            keys = [0, *self.lengths(), *entries]
+            medians = {k: m for k in keys if (m := self.cost._median(bucket, k))}
             measured = " ".join(f"{_label(k)}:{1e3 * m:.1f}" for k, m in medians.items())
             line += (
                 f" (table x {self.cost.correction(batch_size):.2f} from measured steps; "
@@ -532,23 +558,39 @@ class DraftPolicy:
             self._tree_priors = (key, cumulative)
         return 1.0 + float(self._tree_priors[1][nodes - 1])
 
+    def step_cost(self, batch_size: int, k: Choice, steady: bool = False) -> float:
+        """Cost of this step with choice ``k`` over a plain step: a window chain right after
+        a forward without window streams costs its :class:`WindowEntry` step (``steady``:
+        as a step inside a run of window drafts)."""
+        entry = (
+            self.window_idle
+            and not steady
+            and bool(self.anchored)
+            and isinstance(self.cost, MeasuredCost)
+            and isinstance(k, int)
+            and k > 0
+        )
+        return self.cost.ratio(batch_size, WindowEntry(k) if entry else k)
+
     def expected_speedup(
-        self, batch_size: int, k: Choice, rates: np.ndarray | None = None
+        self, batch_size: int, k: Choice, rates: np.ndarray | None = None, steady: bool = False
     ) -> float:
-        return self.expected_tokens(k, rates) / self.cost.ratio(batch_size, k)
+        return self.expected_tokens(k, rates) / self.step_cost(batch_size, k, steady)
 
     def lengths(self) -> list[Choice]:
         """The choices that draft: chains of ``1..k_max`` (also anchored where weighed) and
         the trees."""
         return [*range(1, self.k_max + 1), *self.anchored, *self.trees]
 
-    def best_length(self, batch_size: int, rates: np.ndarray | None = None) -> Choice:
+    def best_length(
+        self, batch_size: int, rates: np.ndarray | None = None, steady: bool = False
+    ) -> Choice:
         """The choice of highest expected speedup under ``rates`` (default: the estimate);
         0 unless it beats a plain step by ``margin``."""
         rates = self.stats.accept_rates() if rates is None else rates
         best_k, best = 0, 1.0 + self.margin
         for k in self.lengths():
-            speedup = self.expected_speedup(batch_size, k, rates)
+            speedup = self.expected_speedup(batch_size, k, rates, steady)
             if speedup > best:
                 best_k, best = k, speedup
         return best_k
@@ -580,7 +622,8 @@ class DraftPolicy:
                     return probe
             return k
         self.probing = None
-        prior_k = self.best_length(batch_size, self.stats.prior_rates())
+        # Whether drafting could pay once under way (an entry step is paid once per run).
+        prior_k = self.best_length(batch_size, self.stats.prior_rates(), steady=True)
         if prior_k == 0:
             return 0  # no acceptance would pay at this batch size: nothing to learn
         self.idle_steps += 1
@@ -618,7 +661,7 @@ class DraftPolicy:
 
 
 def _label(k: Choice) -> str:
-    return str(k) if isinstance(k, (TreeChoice, AnchoredChain)) else f"k{k}"
+    return str(k) if isinstance(k, (TreeChoice, AnchoredChain, WindowEntry)) else f"k{k}"
 
 
 def lookup_length(lookup: Sequence[int], batch_size: int) -> int:

@@ -27,6 +27,7 @@ from vllm_specstream.policy import (
     MeasuredCost,
     StepTimer,
     TreeChoice,
+    WindowEntry,
     lookup_length,
     rows_of,
     tree_choices,
@@ -228,6 +229,13 @@ class SpecStreamProposer:
             self.step_timer.record(
                 self.policy.cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
             )
+        # This step's drafts come from the streams the last forward ran at its window, or
+        # (it kept its MSA input instead) from streams run now at the anchors.
+        from_anchors = stash is not None and stash.msa_input is not None
+        window_ran = self.target.window_streams
+        window = self.target.placement == "window" and self.tree is None
+        if self.policy is not None:
+            self.policy.window_idle = window and from_anchors
         k = self.draft_length(len(sampled_token_ids))
         if isinstance(k, AnchoredChain) and not self._said_anchored:
             self._said_anchored = True
@@ -239,10 +247,6 @@ class SpecStreamProposer:
         self.calls += 1
         if self.policy is not None and self.calls % SUMMARY_EVERY == 0:
             logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
-        # This step's drafts come from the streams the last forward ran at its window, or
-        # (it kept its MSA input instead) from streams run now at the anchors.
-        from_anchors = stash is not None and stash.msa_input is not None
-        window_ran = self.target.window_streams
         # The next forward's window streams (if placed there; none for anchored drafts).
         streams = 0 if isinstance(k, AnchoredChain) else rows_of(k)
         self.target.window_streams = (
@@ -262,15 +266,20 @@ class SpecStreamProposer:
                 [[] if r in trees else d for r, d in enumerate(drafts)] if trees else drafts
             )
             # A step's time is filed under a tree only if it verified trees, under a chain
-            # only if its drafts came from where that choice runs its streams, as many.
+            # only if its drafts came from where that choice runs its streams, as many, and
+            # under a window entry if a window chain's drafts came from the anchors.
             if isinstance(k, TreeChoice) and not trees:
                 k = min(k.nodes, self.tree.num_streams)
-            drafted = k
+            timed_as = k
             if not isinstance(k, TreeChoice) and k != 0:
                 anchored = isinstance(k, AnchoredChain) or self.target.placement != "window"
-                if from_anchors != anchored or (not anchored and window_ran < k):
-                    drafted = None
-            self.step_timer.proposed(drafted if any(drafts) else 0, k)
+                if window and not anchored and from_anchors:
+                    timed_as = WindowEntry(k)
+                elif from_anchors != anchored or (not anchored and window_ran < k):
+                    timed_as = None
+            self.step_timer.proposed(
+                timed_as if any(drafts) else 0, k if timed_as is None else timed_as
+            )
         return drafts
 
     def _record_tree_rows(self, sampled_token_ids):

@@ -26,6 +26,7 @@ from vllm_specstream.policy import (
     StepTimer,
     TreeChoice,
     TreeStats,
+    WindowEntry,
     batch_bucket,
     confident_drafts,
     lookup_length,
@@ -303,7 +304,8 @@ def test_steps_are_timed_under_a_chain_only_when_their_drafts_came_as_it_makes_t
     # Window placement: a step's drafts come from the streams the last forward ran at its
     # window, or, where it ran none, from streams run at the anchors. A step is timed as a
     # chain of k only when its drafts came from k window streams, as an anchored chain only
-    # when they came from the anchors (the step verifying them runs no window streams).
+    # when they came from the anchors (the step verifying them runs no window streams), as
+    # a window entry when a window chain's drafts came from the anchors.
     a2 = AnchoredChain(2)
     proposer = SpecStreamProposer(_vllm_config(4))
     target = _WindowTarget(1, 4)
@@ -319,7 +321,7 @@ def test_steps_are_timed_under_a_chain_only_when_their_drafts_came_as_it_makes_t
         windows.append(target.window_streams)
     assert lengths == [2, 2, 4, 0, 3, 2, 2, 2, 2, 2]
     assert windows == [2, 4, 4, 0, 3, 2, 0, 0, 2, 2]
-    assert timed == [2, None, 4, 0, None, 2, None, a2, None, 2]
+    assert timed == [2, None, 4, 0, WindowEntry(3), 2, None, a2, WindowEntry(2), 2]
     # An accepted-placement engine drafts every chain from the anchors: no anchored twins.
     accepted = SpecStreamProposer(_vllm_config(4))
     accepted.load_model(_Target(1))
@@ -408,6 +410,56 @@ def test_window_engine_drafts_from_the_anchors_where_window_streams_are_dear():
     assert policy.cost.ratio(4, AnchoredChain(4)) == pytest.approx(2.26)
     assert DraftPolicy(4, MeasuredCost(window), stats).best_length(4) == 0
     assert "k4-anchored:" in policy.summary(4)
+
+
+def _dialogsum_window_engine(anchored_s: float) -> DraftPolicy:
+    """A window engine's policy with the step times of DialogSum at batch 1 on AVX2 (plain
+    56.4 ms, 2 window drafts 90.7 ms) and anchored chains at ``anchored_s``; no entry timed."""
+    window, _ = table_for("window", "avx2")
+    accepted, _ = table_for("accepted", "avx2")
+    cost = MeasuredCost(window, anchored_table=accepted, min_samples=2)
+    times = {0: 0.0564, 1: 0.080, 2: 0.0907, 3: 0.100, 4: 0.110}
+    times |= {AnchoredChain(k): anchored_s for k in range(1, 5)}
+    for _ in range(2):
+        for k, seconds in times.items():
+            cost.record(1, k, seconds)
+    anchored = tuple(AnchoredChain(k) for k in range(1, 5))
+    return DraftPolicy(4, cost, _seen([65, 45, 35, 20]), anchored=anchored, probe_every=4)
+
+
+def test_window_drafts_after_a_forward_without_window_streams_cost_an_entry_step():
+    # Inside a run of window drafts, 3 drafts give 2.45 tokens for 1.77 plain steps. Right
+    # after a forward that ran no window streams the same choice also runs the streams at
+    # the anchors now: an entry step, priced as the anchored pass on top of the window step
+    # until timed (2.04 + 1.77 - 1), then as timed. The policy then drafts from the anchors
+    # where those pay, or nothing.
+    policy = _dialogsum_window_engine(anchored_s=0.115)
+    cost = policy.cost
+    assert policy.best_length(1) == 3
+    policy.window_idle = True
+    assert cost.ratio(1, WindowEntry(3)) == pytest.approx(
+        cost.ratio(1, AnchoredChain(3)) + cost.ratio(1, 3) - 1
+    )
+    assert policy.step_cost(1, 3) == pytest.approx(2.81, abs=0.01)
+    assert policy.step_cost(1, 3, steady=True) == cost.ratio(1, 3)
+    assert policy.best_length(1) == AnchoredChain(4)  # 2.65 tokens for 2.04 steps
+    for _ in range(2):
+        cost.record(1, WindowEntry(3), 0.0564 * 1.2)  # timed: its own ratio
+    assert policy.step_cost(1, 3) == pytest.approx(1.2)
+    assert policy.best_length(1) == 3
+    assert "k3-entry:" in policy.summary(1)
+
+
+def test_an_entry_step_that_does_not_pay_keeps_the_engine_idle_but_probing():
+    # Anchored passes as dear as on a checkpoint of 15 MSA layers at batch 1 (2.6 plain
+    # steps): after an idle forward nothing pays this step, though window drafts would once
+    # under way; one idle step in probe_every still drafts (priced as under way, so it is
+    # not ruled out by its entry).
+    policy = _dialogsum_window_engine(anchored_s=0.147)
+    policy.window_idle = True
+    assert policy.best_length(1) == 0 and policy.best_length(1, steady=True) == 3
+    choices = [policy.draft_length(1) for _ in range(4)]
+    assert choices[:3] == [0, 0, 0] and choices[3] != 0
 
 
 def test_tensor_parallel_ranks_choose_by_the_tables_alone():
