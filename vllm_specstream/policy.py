@@ -565,7 +565,6 @@ class DraftPolicy:
         entry = (
             self.window_idle
             and not steady
-            and bool(self.anchored)
             and isinstance(self.cost, MeasuredCost)
             and isinstance(k, int)
             and k > 0
