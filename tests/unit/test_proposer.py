@@ -60,11 +60,24 @@ def test_window_anchors():
     assert anchors.tolist() == [[2, 3, 4, 5], [6, 7, 8, 9], [10, -1, -1, -1]]
 
 
-def test_fused_window_anchors_keep_only_the_last_token_of_a_prefill():
+def test_window_anchors_keep_only_the_last_token_of_a_prefill():
     """A 6-token prefill chunk drafts from its last token only; decode windows keep every
     position (any of them may be the last accepted one)."""
     anchors = last_window_anchors(_batch(), max_anchors=4)
-    assert anchors.tolist() == [[-1, -1, -1, 5], [6, 7, 8, 9], [10, -1, -1, -1]]
+    assert anchors.tolist() == [[5, -1, -1, -1], [6, 7, 8, 9], [10, -1, -1, -1]]
+
+
+def test_a_batch_of_prefills_runs_one_anchor_per_request():
+    """No decode window in the batch: one anchor column, not ``max_anchors`` of padding."""
+    batch = ForwardBatch(
+        query_start_loc=torch.tensor([0, 6, 13, 15]),  # prefills of 6 and 7, a 2-token one
+        seq_lens=torch.tensor([6, 7, 2]),
+        block_table=torch.zeros(3, 1, dtype=torch.int32),
+        positions=torch.arange(15),
+    )
+    assert last_window_anchors(batch, max_anchors=5).tolist() == [[5, -1], [12, -1], [13, 14]]
+    batch.query_start_loc = torch.tensor([0, 6, 13, 20])
+    assert last_window_anchors(batch, max_anchors=5).tolist() == [[5], [12], [19]]
 
 
 def test_anchor_rows_feed_accepted_anchors():

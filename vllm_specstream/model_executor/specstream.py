@@ -59,7 +59,6 @@ from vllm_specstream.model_executor.stream_forward import (
     StreamRunner,
     accepted_anchors,
     last_window_anchors,
-    window_anchors,
 )
 from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
 from vllm_specstream.model_executor.tree_pruning import (
@@ -487,7 +486,7 @@ class SpecStreamMixin:
             self._run_streams(
                 stash,
                 msa_input,
-                window_anchors(batch, self.num_speculative_tokens + 1),
+                last_window_anchors(batch, self.num_speculative_tokens + 1),
                 self.window_streams,
             )
         else:

@@ -57,12 +57,18 @@ def window_anchors(batch: ForwardBatch, max_anchors: int) -> Tensor:
 def last_window_anchors(batch: ForwardBatch, max_anchors: int) -> Tensor:
     """Like :func:`window_anchors`, but a request scheduled for more than ``max_anchors``
     tokens (a prefill chunk) gets only its last token: the next step's drafts start there
-    if the prefill is complete, and nowhere inside the chunk."""
+    if the prefill is complete, and nowhere inside the chunk. Columns no request uses are
+    dropped: the streams of a batch of prefills run at one anchor per request, not at
+    ``max_anchors`` of which all but one are padding (every padded anchor costs its stream
+    rows in each MSA layer)."""
     anchors = window_anchors(batch, max_anchors)
     qsl = batch.query_start_loc
     long = (qsl[1:] - qsl[:-1]) > max_anchors
     if anchors.numel() and bool(long.any()):
-        anchors[long, :-1] = -1
+        anchors[long, 0] = qsl[1:][long] - 1
+        anchors[long, 1:] = -1
+        used = int((anchors >= 0).sum(dim=1).max())  # valid anchors lead every row
+        anchors = anchors[:, : max(used, 1)]
     return anchors
 
 
