@@ -1,5 +1,5 @@
-"""Shared by the batch-1 scripts: the task's test prompts, one engine per child process, and
-the child's single ``RESULT`` line back to the parent."""
+"""Shared by the benchmark scripts: the task's test prompts and command-line arguments, one
+engine per child process, and the child's single ``RESULT`` line back to the parent."""
 
 from __future__ import annotations
 
@@ -7,6 +7,19 @@ import json
 import os
 import subprocess
 import sys
+
+
+def add_task_data_args(parser, task: str = "e2e") -> None:
+    """The checkpoint and the task file whose ``--split`` gives the prompts."""
+    parser.add_argument("checkpoint")
+    parser.add_argument("--task", default=task)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--split", default="val")
+
+
+def task_data_fields(args) -> dict:
+    """``BenchConfig`` fields of :func:`add_task_data_args`' arguments."""
+    return dict(checkpoint=args.checkpoint, task=args.task, data=args.data, split=args.split)
 
 
 def task_prompts(ckpt: str, task: str, n: int) -> list[str]:

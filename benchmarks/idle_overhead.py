@@ -18,6 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
+from bs1_child import add_task_data_args, task_data_fields
+
 from vllm_specstream.bench import BenchConfig, run_method
 from vllm_specstream.machine import describe_machine
 
@@ -26,10 +28,7 @@ IDLE = {"num_speculative_tokens_per_batch_size": [(1, 1, 4), (2, 65536, 0)]}
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint")
-    p.add_argument("--task", default="e2e")
-    p.add_argument("--data", required=True)
-    p.add_argument("--split", default="val")
+    add_task_data_args(p)
     p.add_argument("-n", type=int, default=16)
     p.add_argument("--batch-sizes", default="4,16")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -37,11 +36,8 @@ def main() -> None:
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     base = dict(
-        checkpoint=a.checkpoint,
+        **task_data_fields(a),
         out_dir=a.out,
-        task=a.task,
-        data=a.data,
-        split=a.split,
         num_prompts=a.n,
         batch_sizes=tuple(int(b) for b in a.batch_sizes.split(",")),
         temperatures=(0.0,),

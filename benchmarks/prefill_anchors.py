@@ -20,6 +20,8 @@ import os
 import statistics
 import time
 
+from bs1_child import add_task_data_args, task_data_fields
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the rule is swapped in-process
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -39,10 +41,7 @@ def padded_anchors(batch, max_anchors: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint")
-    p.add_argument("--task", default="e2e")
-    p.add_argument("--data", required=True)
-    p.add_argument("--split", default="val")
+    add_task_data_args(p)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--trials", type=int, default=6)
     a = p.parse_args()
@@ -57,14 +56,7 @@ def main() -> None:
     from vllm_specstream.model_executor import specstream
     from vllm_specstream.model_executor.stream_forward import last_window_anchors
 
-    cfg = BenchConfig(
-        checkpoint=a.checkpoint,
-        task=a.task,
-        data=a.data,
-        split=a.split,
-        num_prompts=a.batch_size,
-        methods=("plain",),
-    )
+    cfg = BenchConfig(**task_data_fields(a), num_prompts=a.batch_size, methods=("plain",))
     prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(a.checkpoint))
     kw = cpu_engine_kwargs(dtype="float32", max_num_seqs=a.batch_size)
     kw["speculative_config"] = speculative_config(4, adaptive=False)
