@@ -450,6 +450,28 @@ def test_window_drafts_after_a_forward_without_window_streams_cost_an_entry_step
     assert "k3-entry:" in policy.summary(1)
 
 
+def test_a_window_entry_is_paid_once_per_run_of_drafting_steps():
+    # The entry's extra over a window step (1.04 plain steps until timed: 2.81 - 1.77) is
+    # spread over the steps the run is expected to last: the run under way, or the mean of
+    # the runs that ended. From the tenth step of a run of anchored drafts (2.65 tokens for
+    # 2.04 steps) window drafts (2.45 tokens for 1.77 steps inside a run) pay more:
+    # 2.45 / (1.77 + 1.04 / 10) > 2.65 / 2.04 > 2.45 / (1.77 + 1.04 / 9).
+    policy = _dialogsum_window_engine(anchored_s=0.115)
+    policy.window_idle = True
+    assert policy.run_horizon() == 1.0  # a fresh engine pays the entry whole
+    choices = [policy.draft_length(1) for _ in range(12)]
+    switch = choices.index(3)
+    assert switch == 10 and set(choices[:switch]) == {AnchoredChain(4)}
+    # The run ends where nothing pays; the mean run follows it.
+    policy.stats = _seen([5, 0, 0, 0])
+    assert policy.draft_length(1) == 0 and policy.run_steps == 0
+    assert policy.run_length == pytest.approx(0.75 * 1 + 0.25 * 12)
+    window, entry = policy.cost.ratio(1, 3), policy.cost.ratio(1, WindowEntry(3))
+    assert policy.step_cost(1, 3) == pytest.approx(window + (entry - window) / 3.75)
+    policy.run_length = 100.0
+    assert policy.run_horizon() == policy.max_run_horizon
+
+
 def test_an_entry_step_that_does_not_pay_keeps_the_engine_idle_but_probing():
     # Anchored passes as dear as on a checkpoint of 15 MSA layers at batch 1 (2.6 plain
     # steps): after an idle forward nothing pays this step, though window drafts would once
