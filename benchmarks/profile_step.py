@@ -2,7 +2,7 @@
 
 Runs the engine in this process, wraps the plugin's pieces and vLLM's model-runner phases in
 ``torch.profiler.record_function`` ranges, decodes ``-n`` prompts one at a time and prints,
-for decode steps only (prefill steps are left out), the median time per step of each range
+for decode steps only (prefill steps are left out; ``--prefill``: those alone), the median time per step of each range
 and of the whole step (``execute_model`` + ``sample_tokens``, which runs the proposer), then
 with ``--ops`` the top operators by self time. Compare ``--k 0`` (plain) with ``--k 4``.
 With ``--lora NAME=DIR`` (repeatable) CKPT is a base served with those adapters (vLLM
@@ -107,6 +107,12 @@ def main() -> None:
         default=[],
         metavar="NAME=DIR",
         help="serve CKPT (a base) with this LoRA adapter (repeatable)",
+    )
+    ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="the steps that prefilled a prompt instead of the decode steps (time to first "
+        "token: with --k, the streams at the prompt's last token)",
     )
     args = ap.parse_args()
     preload_iomp_and_reexec()
@@ -259,7 +265,7 @@ def _summarize(steps, b: int, tokens: int, wall: float, args, drafted: bool | No
     full = [
         ranges
         for reqs, decode, has_drafts, ranges in steps
-        if decode and reqs == b and (drafted is None or has_drafts == drafted)
+        if decode != args.prefill and reqs == b and (drafted is None or has_drafts == drafted)
     ]
     if not full:
         return {}
@@ -273,7 +279,8 @@ def _summarize(steps, b: int, tokens: int, wall: float, args, drafted: bool | No
         f"{tokens / wall:.2f} tok/s{' (under the profiler)' if args.ops else ''}"
     )
     which = {None: "", True: ", verified drafts", False: ", no drafts"}[drafted]
-    print(f"{len(full)} decode steps with {b} requests{which}; median ms per step (absent: 0)")
+    kind = "prefill" if args.prefill else "decode"
+    print(f"{len(full)} {kind} steps with {b} requests{which}; median ms per step (absent: 0)")
     for label, ms in sorted(medians.items(), key=lambda kv: -kv[1]):
         print(f"  {label:45s} {ms:9.2f}")
     return {
