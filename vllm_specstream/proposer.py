@@ -172,6 +172,8 @@ class SpecStreamProposer:
         target_model.set_placement(placement)
         self.target = target_model
         self.tree = getattr(target_model, "tree", None)
+        if target_model.placement == "window" and self.tree is None:
+            target_model.window_streams_at = self.window_streams_at
         if self.tree is not None and self.policy is not None:
             # Chains of up to num_streams drafts, or a tree: a prefix of the template of
             # one of a few widths, pruned or not where the model prunes.
@@ -210,6 +212,19 @@ class SpecStreamProposer:
                 else "; not corrected by timed steps under tensor parallelism: every rank "
                 "must choose alike",
             )
+
+    def window_streams_at(self, batch_size: int) -> int:
+        """Window streams for a forward of ``batch_size`` requests, more than the last call
+        chose them for (requests joined): none where the user's schedule drafts nothing at
+        that size or the policy would not draft from the window there even inside a run
+        (nothing pays, or drafts from the anchors); else those chosen."""
+        if self.lookup is not None:
+            k = lookup_length(self.lookup, batch_size)
+        else:
+            k = self.policy.best_length(batch_size, steady=True)
+        if k == 0 or isinstance(k, AnchoredChain):
+            return 0
+        return self.target.window_streams
 
     def draft_length(self, batch_size: int) -> Choice:
         """Drafts per request for a step of ``batch_size`` requests."""
@@ -252,6 +267,7 @@ class SpecStreamProposer:
         self.target.window_streams = (
             streams if self.tree is None else min(streams, self.tree.num_streams)
         )
+        self.target.window_streams_batch = len(sampled_token_ids)
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
         else:

@@ -412,6 +412,43 @@ def test_window_engine_drafts_from_the_anchors_where_window_streams_are_dear():
     assert "k4-anchored:" in policy.summary(4)
 
 
+def test_window_streams_of_a_forward_that_requests_joined_follow_its_batch_size():
+    # A proposer call chooses the window streams of the next forward for its own batch; when
+    # requests joined that forward (their prefills), the streams ride along only if the
+    # choice at the forward's size would draft from the window: on the AVX2 tables this
+    # acceptance drafts 2 from the window at batch 1, from the anchors at 4 (no window
+    # streams then), nothing at 16. A forward of no more requests keeps the streams chosen.
+    from vllm_specstream.model_executor.specstream import SpecStreamMixin
+
+    window, _ = table_for("window", "avx2")
+    accepted, _ = table_for("accepted", "avx2")
+    proposer = SpecStreamProposer(_vllm_config(4))
+    target = _WindowTarget(1, streams=4)
+    proposer.load_model(target)
+    proposer.policy.cost = MeasuredCost(window, anchored_table=accepted)
+    proposer.policy.stats = _seen([90, 60, 30, 10])
+    assert target.window_streams_at == proposer.window_streams_at
+    assert proposer.propose([[1]], np.full(1, 7), None) == [[11, 12]]
+    assert target.window_streams == 2 and target.window_streams_batch == 1
+
+    def forward_of(n: int) -> int:
+        model = SimpleNamespace(**vars(target))  # the model as the proposer left it
+        qsl = torch.arange(n + 1)
+        batch = ForwardBatch(qsl, torch.full((n,), 6), torch.zeros(n, 1), torch.full((n,), 5))
+        SpecStreamMixin._streams_for(model, batch)
+        return model.window_streams
+
+    assert forward_of(1) == 2
+    assert isinstance(proposer.policy.best_length(4, steady=True), AnchoredChain)
+    assert proposer.policy.best_length(16, steady=True) == 0
+    assert forward_of(4) == 0 and forward_of(16) == 0
+    # A user's schedule: its draft length at the forward's size.
+    proposer = SpecStreamProposer(_vllm_config(4, [(1, 2, 4), (3, 64, 0)]))
+    proposer.load_model(target)
+    assert proposer.window_streams_at(2) == target.window_streams
+    assert proposer.window_streams_at(3) == 0
+
+
 def _dialogsum_window_engine(anchored_s: float) -> DraftPolicy:
     """A window engine's policy with the step times of DialogSum at batch 1 on AVX2 (plain
     56.4 ms, 2 window drafts 90.7 ms) and anchored chains at ``anchored_s``; no entry timed."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import torch
 from vllm.config import VllmConfig
@@ -183,6 +184,11 @@ class SpecStreamMixin:
         #: Streams the window placement runs (the proposer's last draft length: stream ``j``
         #: sees streams ``<= j`` only, so fewer streams give the same first drafts).
         self.window_streams = self.spec_config.num_streams
+        #: Requests of the step whose proposer call set ``window_streams``, and the
+        #: proposer's streams for a forward of more requests (requests joined: their
+        #: prefills ride along); None keeps ``window_streams`` (see :meth:`_streams_for`).
+        self.window_streams_batch = 0
+        self.window_streams_at: Callable[[int], int] | None = None
         #: The window placement's streams ride along the main forward's matmuls
         #: (``fused_streams``) where the decoder runs eagerly (a compiled decoder would
         #: trace the wrappers); else they run in a second pass after it.
@@ -318,6 +324,8 @@ class SpecStreamMixin:
             batch = current_forward_batch(self._layer_name, positions)
             if self.tree is not None and batch is not None:
                 positions = self._tree_positions(positions, batch)
+            if batch is not None:
+                self._streams_for(batch)
         fused = self._begin_fused(batch)
         try:
             if self._prunes(batch, input_ids, inputs_embeds):
@@ -332,6 +340,15 @@ class SpecStreamMixin:
         if self.num_speculative_tokens > 0:
             self._after_main(aux[0], positions, input_ids, batch, streams)
         return hidden
+
+    def _streams_for(self, batch: ForwardBatch) -> None:
+        """The window streams of this forward when requests joined since the proposer chose
+        them: as many as it would choose for this many requests (a batch the policy does not
+        draft for would pay the streams at every joining prompt for nothing). A forward
+        without them keeps its MSA input, so drafts can still come from the anchors."""
+        rule, n = self.window_streams_at, batch.num_reqs
+        if rule is not None and self.window_streams > 0 and n > self.window_streams_batch:
+            self.window_streams = min(self.window_streams, rule(n))
 
     def _tree_positions(self, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Rotary positions by depth for this step's tree rows (``root + depth``: siblings
