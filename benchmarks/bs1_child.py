@@ -46,6 +46,35 @@ def make_llm(ckpt: str, dtype: str, k: int, placement: str | None = None, **llm_
     return LLM(model=ckpt, **kw, **llm_kwargs)
 
 
+def adaptive_engine_here(args, num_prompts: int, **engine_kwargs):
+    """The default adaptive specstream engine (4 drafts at most, fp32, ``engine_kwargs`` on
+    top of :func:`~vllm_specstream.cpu_env.cpu_engine_kwargs`) in this process for
+    the checkpoint of :func:`add_task_data_args`' ``args``, its proposer (to set its rules
+    between requests) and the first ``num_prompts`` prompts of the task file's split:
+    ``(llm, proposer, prompts)``."""
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    from vllm_specstream import speculative_config
+    from vllm_specstream.bench import BenchConfig, load_prompts
+    from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.proposer import SpecStreamProposer
+
+    proposers: list[SpecStreamProposer] = []
+    load_model = SpecStreamProposer.load_model
+
+    def keep(self, target_model):
+        load_model(self, target_model)
+        proposers.append(self)
+
+    SpecStreamProposer.load_model = keep
+    cfg = BenchConfig(**task_data_fields(args), num_prompts=num_prompts, methods=("plain",))
+    prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(args.checkpoint))
+    kw = cpu_engine_kwargs(dtype="float32", **engine_kwargs)
+    llm = LLM(model=args.checkpoint, speculative_config=speculative_config(4), **kw)
+    return llm, proposers[0], prompts
+
+
 def emit_result(result) -> None:
     # One write: vLLM's threads log to the same stdout.
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")

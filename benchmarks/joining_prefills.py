@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from bs1_child import add_task_data_args, task_data_fields
+from bs1_child import adaptive_engine_here, add_task_data_args
 from profile_step import preload_iomp_and_reexec
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the rule is set in-process
@@ -43,32 +43,14 @@ def main() -> None:
     a = p.parse_args()
     preload_iomp_and_reexec()
 
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_specstream import speculative_config
-    from vllm_specstream.bench import BenchConfig, load_prompts
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
     from vllm_specstream.machine import describe_machine
-    from vllm_specstream.proposer import SpecStreamProposer
 
-    proposers: list[SpecStreamProposer] = []
-    load_model = SpecStreamProposer.load_model
-
-    def keep(self, target_model):
-        load_model(self, target_model)
-        proposers.append(self)
-
-    SpecStreamProposer.load_model = keep
-
-    cfg = BenchConfig(**task_data_fields(a), num_prompts=a.batch_size + 1, methods=("plain",))
-    prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(a.checkpoint))
-    alone, batch = prompts[:1], prompts[1 : a.batch_size + 1]
-    kw = cpu_engine_kwargs(dtype="float32", max_num_seqs=a.batch_size)
-    llm = LLM(
-        model=a.checkpoint, speculative_config=speculative_config(4), disable_log_stats=False, **kw
+    llm, proposer, prompts = adaptive_engine_here(
+        a, a.batch_size + 1, max_num_seqs=a.batch_size, disable_log_stats=False
     )
-    proposer = proposers[0]
+    alone, batch = prompts[:1], prompts[1 : a.batch_size + 1]
     model = proposer.target
     rules = {"streams chosen before": None, "at the forward's size": proposer.window_streams_at}
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)

@@ -22,7 +22,7 @@ import statistics
 import time
 from collections import Counter
 
-from bs1_child import add_task_data_args, task_data_fields
+from bs1_child import adaptive_engine_here, add_task_data_args
 from profile_step import preload_iomp_and_reexec
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the rule is set in-process
@@ -41,29 +41,12 @@ def main() -> None:
     a = p.parse_args()
     preload_iomp_and_reexec()
 
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_specstream import speculative_config
-    from vllm_specstream.bench import BenchConfig, load_prompts
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
     from vllm_specstream.machine import describe_machine
-    from vllm_specstream.proposer import SpecStreamProposer
 
-    proposers: list[SpecStreamProposer] = []
-    load_model = SpecStreamProposer.load_model
-
-    def keep(self, target_model):
-        load_model(self, target_model)
-        proposers.append(self)
-
-    SpecStreamProposer.load_model = keep
-
-    cfg = BenchConfig(**task_data_fields(a), num_prompts=a.n, methods=("plain",))
-    prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(a.checkpoint))
-    kw = cpu_engine_kwargs(dtype="float32")
-    llm = LLM(model=a.checkpoint, speculative_config=speculative_config(4), **kw)
-    policy = proposers[0].policy
+    llm, proposer, prompts = adaptive_engine_here(a, a.n)
+    policy = proposer.policy
     spread = policy.max_run_horizon
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     llm.generate(prompts[:1], params, use_tqdm=False)
