@@ -2,13 +2,13 @@
 
 Runs the engine in this process, wraps the plugin's pieces and vLLM's model-runner phases in
 ``torch.profiler.record_function`` ranges, decodes ``-n`` prompts one at a time and prints,
-for decode steps only (prefill steps are left out; ``--prefill``: those alone), the median time per step of each range
-and of the whole step (``execute_model`` + ``sample_tokens``, which runs the proposer), then
-with ``--ops`` the top operators by self time. Compare ``--k 0`` (plain) with ``--k 4``.
-With ``--lora NAME=DIR`` (repeatable) CKPT is a base served with those adapters (vLLM
-multi-LoRA, request ``i`` on adapter ``i mod A``), and the LoRA ops, the per-step adapter
-mapping and vLLM's punica metadata update are ranges of their own: against the adapters'
-merged checkpoint, what vLLM's CPU LoRA path costs a step.
+for decode steps only (prefill steps are left out; ``--prefill``: those alone), the median
+time per step of each range and of the whole step (``execute_model`` + ``sample_tokens``,
+which runs the proposer), then with ``--ops`` the top operators by self time. Compare
+``--k 0`` (plain) with ``--k 4``. With ``--lora NAME=DIR`` (repeatable) CKPT is a base
+served with those adapters (vLLM multi-LoRA, request ``i`` on adapter ``i mod A``), and the
+LoRA ops, the per-step adapter mapping and vLLM's punica metadata update are ranges of their
+own: against the adapters' merged checkpoint, what vLLM's CPU LoRA path costs a step.
 
     .venv/bin/python benchmarks/profile_step.py CKPT [--k 4] [-n 4] [--dtype float32]
         [--task sql --data FILE --split val] [--lora NAME=DIR ...]
