@@ -6,7 +6,10 @@ engine in turn, the order rotated from group to group, so that the VM's drift (a
 here varies by +-10% from one minute to the next) falls on every engine alike. A step is one
 ``execute_model`` + ``sample_tokens`` of an engine; kept are its decode steps of exactly
 ``b`` requests (for k > 0, those that verified drafts). A cell is the median step time of
-k over plain's at the same batch size. These ratios are what ``vllm_specstream.step_cost``
+k over plain's at the same batch size. With ``--idle`` a speculating engine whose schedule
+drafts nothing runs too: its decode steps (the proposer, the stash and the policy's
+bookkeeping run, no streams) over plain's are what speculation costs a step that does not
+draft. The draft-length ratios are what ``vllm_specstream.step_cost``
 keeps per CPU class: the adaptive policy weighs them against the tokens a step is expected
 to yield.
 
@@ -43,9 +46,9 @@ class StepClock:
     Engines run one at a time in this process: each step is filed under :attr:`engine`."""
 
     def __init__(self) -> None:
-        #: engine -> [(requests, decode step with drafts where the engine drafts?, seconds)]
-        self.steps: dict[int, list[tuple[int, bool, float]]] = {}
-        self.engine = 0
+        #: engine -> [(requests, most tokens of one request, verified drafts?, seconds)]
+        self.steps: dict[int | str, list[tuple[int, int, bool, float]]] = {}
+        self.engine: int | str = 0
         self._open: list | None = None
 
     def install(self, runner_cls) -> None:
@@ -54,12 +57,15 @@ class StepClock:
 
         def execute_model(runner, scheduler_output, *a, **kw):
             per_req = list(scheduler_output.num_scheduled_tokens.values())
-            k = runner.num_spec_tokens if getattr(runner, "speculative_config", None) else 0
             drafted = any(scheduler_output.scheduled_spec_decode_tokens.values())
-            decode = bool(per_req) and max(per_req) <= k + 1 and (k == 0 or drafted)
             start = time.perf_counter()
             out = execute(runner, scheduler_output, *a, **kw)
-            clock._open = [len(per_req), decode, time.perf_counter() - start]
+            clock._open = [
+                len(per_req),
+                max(per_req, default=0),
+                drafted,
+                time.perf_counter() - start,
+            ]
             return out
 
         def sample_tokens(runner, *a, **kw):
@@ -67,16 +73,23 @@ class StepClock:
             out = sample(runner, *a, **kw)
             step, clock._open = clock._open, None
             if step is not None:
-                step[2] += time.perf_counter() - start
+                step[3] += time.perf_counter() - start
                 clock.steps.setdefault(clock.engine, []).append(tuple(step))
             return out
 
         runner_cls.execute_model = execute_model
         runner_cls.sample_tokens = sample_tokens
 
-    def median_ms(self, engine: int, batch_size: int) -> tuple[float | None, int]:
-        """Median ms of ``engine``'s kept steps of ``batch_size`` requests, and their count."""
-        times = [t for n, decode, t in self.steps.get(engine, []) if decode and n == batch_size]
+    def median_ms(self, engine: int | str, batch_size: int) -> tuple[float | None, int]:
+        """Median ms of ``engine``'s decode steps of ``batch_size`` requests, and their
+        count: with ``k`` drafts (an int), the steps that verified drafts; plain (0) and idle,
+        the steps of one token per request."""
+        k = engine if isinstance(engine, int) else 0
+        times = [
+            t
+            for n, most, drafted, t in self.steps.get(engine, [])
+            if n == batch_size and most == k + 1 and drafted == (k > 0)
+        ]
         return (statistics.median(times) * 1e3 if times else None), len(times)
 
 
@@ -91,6 +104,11 @@ def main() -> None:
     ap.add_argument("--data", help="task file whose validation split gives the prompts")
     ap.add_argument("--placement", help="window or accepted (default: the proposer's)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--idle",
+        action="store_true",
+        help="also a speculating engine that drafts nothing (what speculation costs a step)",
+    )
     ap.add_argument("--out", default="benchmarks/results/step-cost")
     args = ap.parse_args()
     preload_iomp_and_reexec()
@@ -114,6 +132,10 @@ def main() -> None:
     for k in ks:
         spec = speculative_config(k, placement=args.placement, adaptive=False)
         engines[k] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+    if args.idle:
+        never = {"num_speculative_tokens_per_batch_size": [(1, 1 << 16, 0)]}
+        spec = speculative_config(max(ks), placement=args.placement, **never)
+        engines["idle"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
 
     tok = AutoTokenizer.from_pretrained(args.checkpoint)
     need = 1 + args.n * max(sizes)
@@ -145,7 +167,8 @@ def main() -> None:
         k: [round(medians[k][b][0] / medians[0][b][0], 3) for b in sizes]
         if all(medians[k][b][0] and medians[0][b][0] for b in sizes)
         else None
-        for k in ks
+        for k in engines
+        if k != 0
     }
     report = {
         "machine": describe_machine(),
@@ -162,9 +185,10 @@ def main() -> None:
     print(f"{report['machine']} ({report['cpu_class']}), placement {report['placement']}")
     print("plain ms/step: " + ", ".join(f"b{b}: {report['median_ms'][0][b]}" for b in sizes))
     print("step cost / plain, by batch size: " + " ".join(f"{b:>6d}" for b in sizes))
-    for k in ks:
+    for k in ratios:
         row = ratios[k] or [float("nan")] * len(sizes)
-        print(f"  k = {k}{'':32s}" + " ".join(f"{r:6.2f}" for r in row))
+        label = f"k = {k}" if isinstance(k, int) else "drafting nothing"
+        print(f"  {label:36s}" + " ".join(f"{r:6.2f}" for r in row))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     suffix = f"-{args.placement}" if args.placement else ""
     path = Path(args.out) / f"{report['cpu_class']}{suffix}.json"

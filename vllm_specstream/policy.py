@@ -47,6 +47,7 @@ request's draft before the first stream whose cumulative top-1 probability falls
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -303,8 +304,9 @@ class MeasuredCost:
     """Step times needed per (bucket, draft length) before they count."""
     times: dict[tuple[int, Choice], deque] = field(default_factory=dict, init=False)
     _medians: dict = field(default_factory=dict, init=False, repr=False)
-    """Medians and corrections computed since the last recorded step: a step's choice
-    prices every choice, each reading the same medians (emptied by :meth:`record`)."""
+    """Medians, corrections and ratios computed since the last recorded step: a step's
+    choice prices every choice (twice in a step that drafts nothing), each reading the same
+    medians (emptied by :meth:`record`)."""
 
     def record(self, batch_size: int, k: Choice, seconds: float) -> None:
         if not self.measure:
@@ -318,7 +320,7 @@ class MeasuredCost:
         if key not in self._medians:
             samples = self.times.get(key)
             enough = samples is not None and len(samples) >= self.min_samples
-            self._medians[key] = float(np.median(samples)) if enough else None
+            self._medians[key] = float(statistics.median(samples)) if enough else None
         return self._medians[key]
 
     def correction(self, batch_size: int) -> float:
@@ -342,7 +344,7 @@ class MeasuredCost:
             and k not in self.direct
             and (t := self._median(bucket, k)) is not None
         ]
-        return float(np.median(factors)) if factors else 1.0
+        return float(statistics.median(factors)) if factors else 1.0
 
     def measured_ratio(self, batch_size: int, k: Choice) -> float | None:
         """Median step time with ``k`` drafts over a plain step's at this batch size's
@@ -354,6 +356,12 @@ class MeasuredCost:
     def ratio(self, batch_size: int, k: Choice) -> float:
         if k == 0:
             return 1.0
+        key = ("ratio", batch_size, k)
+        if key not in self._medians:
+            self._medians[key] = self._ratio(batch_size, k)
+        return self._medians[key]
+
+    def _ratio(self, batch_size: int, k: Choice) -> float:
         own = self.measured_ratio(batch_size, k)
         if own is not None:
             return own

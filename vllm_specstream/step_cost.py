@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_specstream.machine import cpu_class
 
@@ -29,6 +29,9 @@ class StepCostTable:
     """Draft length -> cost ratio at each of ``batch_sizes``."""
     source: str
     """Where it was measured (machine, checkpoint, command)."""
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """:meth:`ratio` per ``(batch_size, k)`` (the adaptive policy prices every choice at
+    every step)."""
 
     def __post_init__(self) -> None:
         if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
@@ -50,6 +53,12 @@ class StepCostTable:
 
     def ratio(self, batch_size: int, k: int) -> float:
         """Cost of a step with ``k`` drafts per request at ``batch_size`` over a plain step."""
+        key = (batch_size, k)
+        if key not in self._memo:
+            self._memo[key] = self._ratio(batch_size, k)
+        return self._memo[key]
+
+    def _ratio(self, batch_size: int, k: int) -> float:
         if k <= 0:
             return 1.0
         known = sorted(self.ratios)

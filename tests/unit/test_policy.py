@@ -831,3 +831,22 @@ def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch, tr
     monkeypatch.setattr(proposer.policy, "draft_length", lambda *a: TreeChoice(6, True))
     propose([[1], [1]])
     assert proposer.target.prune_trees is True
+
+
+def test_measured_ratios_are_priced_once_per_recorded_step_and_follow_each_record():
+    # Every choice is priced at every step (twice in a step that drafts nothing); a ratio
+    # read again before the next recorded step comes from the first reading, and a recorded
+    # step makes every ratio new.
+    cost = MeasuredCost(TABLE, min_samples=1)
+    cost.record(1, 0, 0.05)
+    cost.record(1, 2, 0.07)
+    assert cost.ratio(1, 2) == pytest.approx(1.4)
+    assert cost.ratio(1, WindowEntry(2)) == pytest.approx(
+        cost.ratio(1, AnchoredChain(2)) + cost.ratio(1, 2) - 1.0
+    )
+    cost.record(1, 2, 0.09)
+    cost.record(1, 2, 0.09)  # median 0.09
+    assert cost.ratio(1, 2) == pytest.approx(1.8)
+    cost.record(1, 0, 0.09)  # plain's median: 0.07
+    assert cost.ratio(1, 2) == pytest.approx(0.09 / 0.07)
+    assert TABLE.ratio(1, 3) == TABLE._ratio(1, 3)  # the table's memo is its own reading
