@@ -88,8 +88,9 @@ class StepCostTable:
 
 _AVX2_SOURCE = (
     "AMD EPYC (AVX2 only), 2 cores, nothing else running, fp32, SmolLM2-135M demo SQL "
-    "checkpoint (8 MSA layers), Spider validation prompts: benchmarks/step_cost.py "
-    "--batch-sizes 1,4,16,32 --max-tokens 24 --placement {placement}"
+    "checkpoint (8 MSA layers), Spider validation prompts: benchmarks/step_cost.py as of "
+    "5dd4864 (one engine per process, a cell's fastest round) --batch-sizes 1,4,16,32 "
+    "--max-tokens 24 --placement {placement}"
 )
 
 #: Measured tables per (CPU class, placement) (``benchmarks/results/step-cost/``; a cell is

@@ -833,20 +833,37 @@ def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch, tr
     assert proposer.target.prune_trees is True
 
 
-def test_measured_ratios_are_priced_once_per_recorded_step_and_follow_each_record():
-    # Every choice is priced at every step (twice in a step that drafts nothing); a ratio
-    # read again before the next recorded step comes from the first reading, and a recorded
-    # step makes every ratio new.
+def test_measured_ratios_are_priced_once_per_recorded_step_and_follow_each_record(monkeypatch):
+    # Every choice is priced at every step (twice in a step that drafts nothing): a ratio read
+    # again before the next recorded step is not worked out again, and a recorded step makes
+    # every ratio new.
+    calls = []
+    priced = MeasuredCost._ratio
+    monkeypatch.setattr(
+        MeasuredCost, "_ratio", lambda self, b, k: calls.append((b, k)) or priced(self, b, k)
+    )
     cost = MeasuredCost(TABLE, min_samples=1)
     cost.record(1, 0, 0.05)
     cost.record(1, 2, 0.07)
     assert cost.ratio(1, 2) == pytest.approx(1.4)
-    assert cost.ratio(1, WindowEntry(2)) == pytest.approx(
-        cost.ratio(1, AnchoredChain(2)) + cost.ratio(1, 2) - 1.0
-    )
+    assert cost.ratio(1, 2) == pytest.approx(1.4) and calls == [(1, 2)]
+    cost.ratio(1, WindowEntry(3))  # untimed: the anchored chain's and the window chain's
+    assert calls[1:] == [(1, WindowEntry(3)), (1, AnchoredChain(3)), (1, 3)]
     cost.record(1, 2, 0.09)
     cost.record(1, 2, 0.09)  # median 0.09
-    assert cost.ratio(1, 2) == pytest.approx(1.8)
+    assert cost.ratio(1, 2) == pytest.approx(1.8) and len(calls) == 5
     cost.record(1, 0, 0.09)  # plain's median: 0.07
     assert cost.ratio(1, 2) == pytest.approx(0.09 / 0.07)
-    assert TABLE.ratio(1, 3) == TABLE._ratio(1, 3)  # the table's memo is its own reading
+
+
+def test_step_cost_tables_work_out_each_ratio_once(monkeypatch):
+    table = StepCostTable("avx2", (1, 4), {1: (1.5, 2.0), 4: (2.0, 3.0)}, "test")
+    calls = []
+    priced = StepCostTable._ratio
+    monkeypatch.setattr(
+        StepCostTable, "_ratio", lambda self, b, k: calls.append((b, k)) or priced(self, b, k)
+    )
+    # batch 2 is a third of the way from 1 to 4: k = 1 costs 5/3, k = 4 7/3; k = 2 a third
+    # of the way between them
+    assert table.ratio(2, 2) == table.ratio(2, 2) == pytest.approx(17 / 9)
+    assert calls == [(2, 2)]
