@@ -2,22 +2,28 @@
 
 One plain engine and one speculating engine per draft length k (a fixed schedule: every
 decode step drafts k) live in this process; each group of ``b`` prompts is decoded by every
-engine in turn, the order rotated from group to group, so that the VM's drift (a plain step
-here varies by +-10% from one minute to the next) falls on every engine alike. A step is one
-``execute_model`` + ``sample_tokens`` of an engine; kept are its decode steps of exactly
-``b`` requests (for k > 0, those that verified drafts). A cell is the median step time of
-k over plain's at the same batch size. With ``--idle`` a speculating engine whose schedule
-drafts nothing runs too: its decode steps (the proposer, the stash and the policy's
-bookkeeping run, no streams) over plain's are what speculation costs a step that does not
-draft. The draft-length ratios are what ``vllm_specstream.step_cost``
-keeps per CPU class: the adaptive policy weighs them against the tokens a step is expected
-to yield.
+engine in turn, the order rotated (and reversed every other cycle) from group to group, so
+that the VM's drift (a plain step here varies by +-10% from one minute to the next) falls
+on every engine alike. A step runs from one ``execute_model`` call of an engine to its next
+(the forward, sampling, the proposer, vLLM's scheduling); kept are the decode steps of
+exactly ``b`` requests, none joining, each request verifying k drafts (plain: none). A cell
+is the median, over the groups, of a group's median step time of k over plain's.
+These ratios are what ``vllm_specstream.step_cost`` keeps per CPU class: the adaptive
+policy weighs them against the tokens a step is expected to yield.
+
+``--idle`` adds the default adaptive engine with its policy told that nothing pays: every
+step runs the proposer, the stash and the policy's bookkeeping and pricing and drafts
+nothing (what speculation costs a step that does not draft). ``--control`` adds a second
+plain engine: its "cost" is the run's noise floor.
 
     .venv/bin/python benchmarks/step_cost.py CKPT [--ks 1,2,3,4] [--batch-sizes 1,4,16,32]
-        [--task sql --data FILE] [--placement window] [--out benchmarks/results/step-cost]
+        [--task sql --data FILE] [--placement window] [--idle] [--control]
+        [--out benchmarks/results/step-cost/interleaved]
 
 The engines compute on one core unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (the
-tables' setting; ``nobind``: both cores).
+tables' setting; ``nobind``: both cores). Measure with nothing else running: a busy second
+core slows the steps unevenly (the weight reads of a plain step more than a speculative
+step's extra rows), which no interleaving evens out.
 """
 
 from __future__ import annotations
@@ -42,55 +48,67 @@ KV_CACHE_BYTES = 1 << 30
 
 class StepClock:
     """Wall time of each engine's steps, from vLLM's model-runner calls: a step runs from
-    one ``execute_model`` to the end of its ``sample_tokens`` (which runs the proposer).
-    Engines run one at a time in this process: each step is filed under :attr:`engine`."""
+    one ``execute_model`` call to the next of the same engine (one ``generate`` call at a
+    time runs in this process; each step is filed under :attr:`engine` and :attr:`group`,
+    and an engine's last step of a call, which no next call ends, is dropped)."""
 
     def __init__(self) -> None:
-        #: engine -> [(requests, most tokens of one request, verified drafts?, seconds)]
-        self.steps: dict[int | str, list[tuple[int, int, bool, float]]] = {}
-        self.engine: int | str = 0
-        self._open: list | None = None
+        #: (engine, batch size, group) -> seconds of the kept steps
+        self.steps: dict[tuple[str, int, int], list[float]] = {}
+        self.engine: str | None = None
+        """Engine now decoding (None: warm-up, not kept)."""
+        self.group = 0
+        self.batch_size = 0
+        self.drafts = 0
+        """Drafts per request each kept step of :attr:`engine` verifies."""
+        self._open: tuple[float, bool] | None = None
+
+    def begin(self, engine: str | None, group: int, batch_size: int, drafts: int) -> None:
+        self.engine, self.group, self.batch_size, self.drafts = engine, group, batch_size, drafts
+        self._open = None
 
     def install(self, runner_cls) -> None:
-        execute, sample = runner_cls.execute_model, runner_cls.sample_tokens
+        execute = runner_cls.execute_model
         clock = self
 
         def execute_model(runner, scheduler_output, *a, **kw):
+            now = time.perf_counter()
+            if clock._open is not None and clock.engine is not None:
+                start, keep = clock._open
+                if keep:
+                    key = (clock.engine, clock.batch_size, clock.group)
+                    clock.steps.setdefault(key, []).append(now - start)
             per_req = list(scheduler_output.num_scheduled_tokens.values())
-            drafted = any(scheduler_output.scheduled_spec_decode_tokens.values())
-            start = time.perf_counter()
-            out = execute(runner, scheduler_output, *a, **kw)
-            clock._open = [
-                len(per_req),
-                max(per_req, default=0),
-                drafted,
-                time.perf_counter() - start,
-            ]
-            return out
-
-        def sample_tokens(runner, *a, **kw):
-            start = time.perf_counter()
-            out = sample(runner, *a, **kw)
-            step, clock._open = clock._open, None
-            if step is not None:
-                step[3] += time.perf_counter() - start
-                clock.steps.setdefault(clock.engine, []).append(tuple(step))
-            return out
+            keep = (
+                len(per_req) == clock.batch_size
+                and not scheduler_output.scheduled_new_reqs  # a prefill (maybe one token)
+                and min(per_req) == max(per_req) == clock.drafts + 1
+                and any(scheduler_output.scheduled_spec_decode_tokens.values())
+                == (clock.drafts > 0)
+            )
+            clock._open = (now, keep)
+            return execute(runner, scheduler_output, *a, **kw)
 
         runner_cls.execute_model = execute_model
-        runner_cls.sample_tokens = sample_tokens
 
-    def median_ms(self, engine: int | str, batch_size: int) -> tuple[float | None, int]:
-        """Median ms of ``engine``'s decode steps of ``batch_size`` requests, and their
-        count: with ``k`` drafts (an int), the steps that verified drafts; plain (0) and idle,
-        the steps of one token per request."""
-        k = engine if isinstance(engine, int) else 0
-        times = [
-            t
-            for n, most, drafted, t in self.steps.get(engine, [])
-            if n == batch_size and most == k + 1 and drafted == (k > 0)
+    def cell(
+        self, engine: str, base: str, batch_size: int, groups: list[int]
+    ) -> tuple[float | None, float | None]:
+        """``(median ms per kept step of engine, median over groups of its group median
+        over base's)`` at ``batch_size``; None where no group has kept steps of both."""
+
+        def med(e, g):
+            times = self.steps.get((e, batch_size, g))
+            return statistics.median(times) if times else None
+
+        pooled = [t for g in groups for t in self.steps.get((engine, batch_size, g), [])]
+        ratios = [
+            a / b for g in groups if (a := med(engine, g)) is not None and (b := med(base, g))
         ]
-        return (statistics.median(times) * 1e3 if times else None), len(times)
+        return (
+            round(statistics.median(pooled) * 1e3, 2) if pooled else None,
+            round(statistics.median(ratios), 3) if ratios else None,
+        )
 
 
 def main() -> None:
@@ -98,18 +116,15 @@ def main() -> None:
     ap.add_argument("checkpoint", help="merged specstream checkpoint")
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--batch-sizes", default="1,4,16,32")
-    ap.add_argument("-n", type=int, default=6, help="groups of prompts per batch size")
+    ap.add_argument("-n", type=int, default=10, help="timed groups of prompts per batch size")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--task", default="sql")
     ap.add_argument("--data", help="task file whose validation split gives the prompts")
     ap.add_argument("--placement", help="window or accepted (default: the proposer's)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument(
-        "--idle",
-        action="store_true",
-        help="also a speculating engine that drafts nothing (what speculation costs a step)",
-    )
-    ap.add_argument("--out", default="benchmarks/results/step-cost")
+    ap.add_argument("--idle", action="store_true", help="also an engine that drafts nothing")
+    ap.add_argument("--control", action="store_true", help="also a second plain engine")
+    ap.add_argument("--out", default="benchmarks/results/step-cost/interleaved")
     args = ap.parse_args()
     preload_iomp_and_reexec()
 
@@ -119,6 +134,7 @@ def main() -> None:
 
     from vllm_specstream import speculative_config
     from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.proposer import SpecStreamProposer
     from vllm_specstream.training.data import prompt_text
     from vllm_specstream.training.tasks import build_task, load_task_data, select_split, to_example
     from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
@@ -127,18 +143,33 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     clock = StepClock()
     clock.install(gmr.GPUModelRunner)
+    proposers: list[SpecStreamProposer] = []
+    load_model = SpecStreamProposer.load_model
+
+    def keep(self, target_model):
+        load_model(self, target_model)
+        proposers.append(self)
+
+    SpecStreamProposer.load_model = keep
     kw = cpu_engine_kwargs(dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_BYTES)
-    engines = {0: LLM(model=args.checkpoint, **kw)}
+    engines = {"plain": LLM(model=args.checkpoint, **kw)}
+    drafts = {"plain": 0}
+    if args.control:
+        engines["control"], drafts["control"] = LLM(model=args.checkpoint, **kw), 0
     for k in ks:
         spec = speculative_config(k, placement=args.placement, adaptive=False)
-        engines[k] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+        engines[f"k{k}"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+        drafts[f"k{k}"] = k
     if args.idle:
-        never = {"num_speculative_tokens_per_batch_size": [(1, 1 << 16, 0)]}
-        spec = speculative_config(max(ks), placement=args.placement, **never)
-        engines["idle"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+        spec = speculative_config(max(ks), placement=args.placement)
+        engines["idle"], drafts["idle"] = (
+            LLM(model=args.checkpoint, speculative_config=spec, **kw),
+            0,
+        )
+        proposers[-1].policy.margin = float("inf")  # nothing pays: the policy drafts nothing
 
     tok = AutoTokenizer.from_pretrained(args.checkpoint)
-    need = 1 + args.n * max(sizes)
+    need = (1 + args.n) * max(sizes)
     if args.data:
         records = select_split(load_task_data(args.task, args.data), "val", DEFAULT_VAL_FRACTION)
         messages = [r.messages for r in records]
@@ -151,25 +182,22 @@ def main() -> None:
     # Fixed lengths keep every batch full: the cost is per batch size.
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     order = list(engines)
-    for llm in engines.values():  # warm-up
-        llm.generate(prompts[:1], params, use_tqdm=False)
-    clock.steps.clear()
+    turns = 0
     for b in sizes:
-        for i in range(args.n):
-            group = prompts[1 + i * b : 1 + (i + 1) * b]
-            turn = order[i % len(order) :] + order[: i % len(order)]
-            for k in turn:
-                clock.engine = k
-                engines[k].generate(group, params, use_tqdm=False)
+        # The first group of each batch size warms every engine up (not kept).
+        for i in range(1 + args.n):
+            group = prompts[i * b : (i + 1) * b]
+            r = turns % len(order)
+            turn = order[r:] + order[:r]
+            if (turns // len(order)) % 2:
+                turn.reverse()
+            turns += i > 0
+            for name in turn:
+                clock.begin(name if i else None, i, b, drafts[name])
+                engines[name].generate(group, params, use_tqdm=False)
 
-    medians = {k: {b: clock.median_ms(k, b) for b in sizes} for k in engines}
-    ratios = {
-        k: [round(medians[k][b][0] / medians[0][b][0], 3) for b in sizes]
-        if all(medians[k][b][0] and medians[0][b][0] for b in sizes)
-        else None
-        for k in engines
-        if k != 0
-    }
+    groups = list(range(1, 1 + args.n))
+    cells = {name: {b: clock.cell(name, "plain", b, groups) for b in sizes} for name in engines}
     report = {
         "machine": describe_machine(),
         "cpu_class": cpu_class(),
@@ -177,18 +205,18 @@ def main() -> None:
         "threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "checkpoint": args.checkpoint,
         "prompts": f"{args.task} {args.data or 'synthetic'}",
+        "max_tokens": args.max_tokens,
+        "timed_groups": args.n,
         "batch_sizes": sizes,
-        "median_ms": {k: {b: round(m[b][0] or 0.0, 2) for b in sizes} for k, m in medians.items()},
-        "steps": {k: {b: m[b][1] for b in sizes} for k, m in medians.items()},
-        "ratios": ratios,
+        "median_ms": {name: {b: c[b][0] for b in sizes} for name, c in cells.items()},
+        "ratios": {name: [c[b][1] for b in sizes] for name, c in cells.items() if name != "plain"},
     }
     print(f"{report['machine']} ({report['cpu_class']}), placement {report['placement']}")
-    print("plain ms/step: " + ", ".join(f"b{b}: {report['median_ms'][0][b]}" for b in sizes))
+    print("plain ms/step: " + ", ".join(f"b{b}: {report['median_ms']['plain'][b]}" for b in sizes))
     print("step cost / plain, by batch size: " + " ".join(f"{b:>6d}" for b in sizes))
-    for k in ratios:
-        row = ratios[k] or [float("nan")] * len(sizes)
-        label = f"k = {k}" if isinstance(k, int) else "drafting nothing"
-        print(f"  {label:36s}" + " ".join(f"{r:6.2f}" for r in row))
+    for name, row in report["ratios"].items():
+        cells_text = " ".join("   n/a" if r is None else f"{r:6.2f}" for r in row)
+        print(f"  {name:32s}" + cells_text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     suffix = f"-{args.placement}" if args.placement else ""
     path = Path(args.out) / f"{report['cpu_class']}{suffix}.json"
