@@ -46,6 +46,22 @@ def make_llm(ckpt: str, dtype: str, k: int, placement: str | None = None, **llm_
     return LLM(model=ckpt, **kw, **llm_kwargs)
 
 
+def keep_proposers() -> list:
+    """A list that every specstream proposer built in this process from now on joins once
+    vLLM has loaded its model (to set its rules between requests)."""
+    from vllm_specstream.proposer import SpecStreamProposer
+
+    proposers: list[SpecStreamProposer] = []
+    load_model = SpecStreamProposer.load_model
+
+    def keep(self, target_model):
+        load_model(self, target_model)
+        proposers.append(self)
+
+    SpecStreamProposer.load_model = keep
+    return proposers
+
+
 def adaptive_engine_here(args, num_prompts: int, **engine_kwargs):
     """The default adaptive specstream engine (4 drafts at most, fp32, ``engine_kwargs`` on
     top of :func:`~vllm_specstream.cpu_env.cpu_engine_kwargs`) in this process for
@@ -58,16 +74,8 @@ def adaptive_engine_here(args, num_prompts: int, **engine_kwargs):
     from vllm_specstream import speculative_config
     from vllm_specstream.bench import BenchConfig, load_prompts
     from vllm_specstream.cpu_env import cpu_engine_kwargs
-    from vllm_specstream.proposer import SpecStreamProposer
 
-    proposers: list[SpecStreamProposer] = []
-    load_model = SpecStreamProposer.load_model
-
-    def keep(self, target_model):
-        load_model(self, target_model)
-        proposers.append(self)
-
-    SpecStreamProposer.load_model = keep
+    proposers = keep_proposers()
     cfg = BenchConfig(**task_data_fields(args), num_prompts=num_prompts, methods=("plain",))
     prompts = load_prompts(cfg, AutoTokenizer.from_pretrained(args.checkpoint))
     kw = cpu_engine_kwargs(dtype="float32", **engine_kwargs)

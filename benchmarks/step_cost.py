@@ -38,6 +38,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 
+from bs1_child import keep_proposers  # noqa: E402
 from profile_step import preload_iomp_and_reexec  # noqa: E402
 
 from vllm_specstream.machine import cpu_class, describe_machine  # noqa: E402
@@ -134,7 +135,6 @@ def main() -> None:
 
     from vllm_specstream import speculative_config
     from vllm_specstream.cpu_env import cpu_engine_kwargs
-    from vllm_specstream.proposer import SpecStreamProposer
     from vllm_specstream.training.data import prompt_text
     from vllm_specstream.training.tasks import build_task, load_task_data, select_split, to_example
     from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
@@ -143,14 +143,7 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     clock = StepClock()
     clock.install(gmr.GPUModelRunner)
-    proposers: list[SpecStreamProposer] = []
-    load_model = SpecStreamProposer.load_model
-
-    def keep(self, target_model):
-        load_model(self, target_model)
-        proposers.append(self)
-
-    SpecStreamProposer.load_model = keep
+    proposers = keep_proposers()
     kw = cpu_engine_kwargs(dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_BYTES)
     engines = {"plain": LLM(model=args.checkpoint, **kw)}
     drafts = {"plain": 0}
