@@ -70,6 +70,25 @@ def preload_iomp_and_reexec() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
+def task_prompts_cycled(ckpt: str, task: str, data: str | None, split: str, need: int):
+    """``need`` prompts in ``ckpt``'s chat format: the ``split`` side of the task file
+    ``data`` (else the built-in task's test examples), repeated as often as needed."""
+    from transformers import AutoTokenizer
+
+    from vllm_specstream.training.data import prompt_text
+    from vllm_specstream.training.tasks import build_task, load_task_data, select_split, to_example
+    from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
+
+    if data:
+        records = select_split(load_task_data(task, data), split, DEFAULT_VAL_FRACTION)
+        messages = [r.messages for r in records]
+    else:
+        messages = [to_example(task, r).messages for r in build_task(task, "test", n=need)]
+    messages = (messages * -(-need // len(messages)))[:need]
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    return [prompt_text(tok, m) for m in messages]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("ckpt")
@@ -118,7 +137,6 @@ def main() -> None:
     preload_iomp_and_reexec()
 
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     from vllm_specstream import speculative_config
@@ -126,9 +144,6 @@ def main() -> None:
     from vllm_specstream.model_executor import specstream as ss
     from vllm_specstream.model_executor import stream_forward as sf
     from vllm_specstream.proposer import SpecStreamProposer
-    from vllm_specstream.training.data import prompt_text
-    from vllm_specstream.training.tasks import build_task, load_task_data, select_split, to_example
-    from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
 
     wrap(ss.SpecStreamMixin, "forward", "model.forward (main + hook)")
     wrap(ss.SpecStreamMixin, "_run_streams", "streams: total")
@@ -160,19 +175,10 @@ def main() -> None:
         wrap(cpu, "update_metadata", "lora: punica metadata update")
         wrap(runner_cls, "set_active_loras", "lora: runner.set_active_loras (mapping)")
 
-    tok = AutoTokenizer.from_pretrained(args.ckpt)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    need = 1 + args.n * max(sizes)
-    if args.data:
-        records = select_split(
-            load_task_data(args.task, args.data), args.split, DEFAULT_VAL_FRACTION
-        )
-        messages = [r.messages for r in records]
-    else:
-        examples = build_task(args.task, "test", n=need)
-        messages = [to_example(args.task, r).messages for r in examples]
-    messages = (messages * -(-need // len(messages)))[:need]
-    prompts = [prompt_text(tok, m) for m in messages]
+    prompts = task_prompts_cycled(
+        args.ckpt, args.task, args.data, args.split, 1 + args.n * max(sizes)
+    )
     kw = cpu_engine_kwargs(dtype=args.dtype)
     loras = []
     if args.lora:

@@ -39,7 +39,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 
 from bs1_child import keep_proposers  # noqa: E402
-from profile_step import preload_iomp_and_reexec  # noqa: E402
+from profile_step import preload_iomp_and_reexec, task_prompts_cycled  # noqa: E402
 
 from vllm_specstream.machine import cpu_class, describe_machine  # noqa: E402
 
@@ -129,15 +129,11 @@ def main() -> None:
     args = ap.parse_args()
     preload_iomp_and_reexec()
 
-    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.v1.worker import gpu_model_runner as gmr
 
     from vllm_specstream import speculative_config
     from vllm_specstream.cpu_env import cpu_engine_kwargs
-    from vllm_specstream.training.data import prompt_text
-    from vllm_specstream.training.tasks import build_task, load_task_data, select_split, to_example
-    from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
 
     ks = [int(k) for k in args.ks.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -155,23 +151,13 @@ def main() -> None:
         drafts[f"k{k}"] = k
     if args.idle:
         spec = speculative_config(max(ks), placement=args.placement)
-        engines["idle"], drafts["idle"] = (
-            LLM(model=args.checkpoint, speculative_config=spec, **kw),
-            0,
-        )
+        engines["idle"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+        drafts["idle"] = 0
         proposers[-1].policy.margin = float("inf")  # nothing pays: the policy drafts nothing
 
-    tok = AutoTokenizer.from_pretrained(args.checkpoint)
-    need = (1 + args.n) * max(sizes)
-    if args.data:
-        records = select_split(load_task_data(args.task, args.data), "val", DEFAULT_VAL_FRACTION)
-        messages = [r.messages for r in records]
-    else:
-        messages = [
-            to_example(args.task, r).messages for r in build_task(args.task, "test", n=need)
-        ]
-    messages = (messages * -(-need // len(messages)))[:need]
-    prompts = [prompt_text(tok, m) for m in messages]
+    prompts = task_prompts_cycled(
+        args.checkpoint, args.task, args.data, "val", (1 + args.n) * max(sizes)
+    )
     # Fixed lengths keep every batch full: the cost is per batch size.
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     order = list(engines)
