@@ -14,7 +14,11 @@ policy weighs them against the tokens a step is expected to yield.
 ``--idle`` adds the default adaptive engine with its policy told that nothing pays: every
 step runs the proposer, the stash and the policy's bookkeeping and pricing and drafts
 nothing (what speculation costs a step that does not draft). ``--control`` adds a second
-plain engine: its "cost" is the run's noise floor.
+plain engine: its "cost" is the run's noise floor. ``--all-stream-logits-fused`` adds, per
+k, an engine whose window streams all go through the LM head with the main rows, over the
+whole vocabulary (none left to the proposer to project at the anchors it reads);
+``--whole-vocab-too``, for a checkpoint with a draft vocabulary, one drafting from the whole
+vocabulary: what each choice costs beside the default's.
 
     .venv/bin/python benchmarks/step_cost.py CKPT [--ks 1,2,3,4] [--batch-sizes 1,4,16,32]
         [--task sql --data FILE] [--placement window] [--idle] [--control]
@@ -37,6 +41,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model
 
 from bs1_child import keep_proposers  # noqa: E402
 from profile_step import preload_iomp_and_reexec, task_prompts_cycled  # noqa: E402
@@ -125,6 +130,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--idle", action="store_true", help="also an engine that drafts nothing")
     ap.add_argument("--control", action="store_true", help="also a second plain engine")
+    ap.add_argument(
+        "--all-stream-logits-fused",
+        action="store_true",
+        help="also, per k, an engine projecting every window stream row with the main rows",
+    )
+    ap.add_argument(
+        "--whole-vocab-too",
+        action="store_true",
+        help="also, per k, an engine ignoring the checkpoint's draft vocabulary",
+    )
     ap.add_argument("--out", default="benchmarks/results/step-cost/interleaved")
     args = ap.parse_args()
     preload_iomp_and_reexec()
@@ -134,6 +149,10 @@ def main() -> None:
 
     from vllm_specstream import speculative_config
     from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.model_executor.specstream import (
+        fuse_all_stream_logits,
+        whole_vocab_drafts,
+    )
 
     ks = [int(k) for k in args.ks.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -149,6 +168,14 @@ def main() -> None:
         spec = speculative_config(k, placement=args.placement, adaptive=False)
         engines[f"k{k}"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
         drafts[f"k{k}"] = k
+        if args.all_stream_logits_fused:
+            fused = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+            fused.apply_model(fuse_all_stream_logits)
+            engines[f"k{k}-fused-logits"], drafts[f"k{k}-fused-logits"] = fused, k
+        if args.whole_vocab_too:
+            whole = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+            whole.apply_model(whole_vocab_drafts)
+            engines[f"k{k}-whole-vocab"], drafts[f"k{k}-whole-vocab"] = whole, k
     if args.idle:
         spec = speculative_config(max(ks), placement=args.placement)
         engines["idle"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)

@@ -30,11 +30,25 @@ def stream_lora_name(layer: int, stage: str, which: str) -> str:
     return f"stream_lora_{layer}_{stage}_{which}"
 
 
+#: The stream tensor marking the draft vocabulary (``SpecStreamConfig.draft_vocab_size``).
+DRAFT_VOCAB_MASK = "draft_vocab_mask"
+
+
+def config_value(hf_config: Any, key: str) -> Any:
+    """``key`` of a model's ``config.json`` given as a dict or a config object."""
+    if isinstance(hf_config, Mapping):
+        return hf_config.get(key)
+    return getattr(hf_config, key, None)
+
+
 def projection_dims(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(in, out) sizes of each of :data:`STREAM_LORA_STAGES` for a Llama-family model's
     ``config.json`` (a dict or a config object); merged outputs in vLLM's order (q, k, v;
     gate, up)."""
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k: getattr(hf_config, k, None)
+
+    def get(key: str) -> Any:
+        return config_value(hf_config, key)
+
     h, heads = get("hidden_size"), get("num_attention_heads")
     kv = get("num_key_value_heads") or heads
     d = get("head_dim") or h // heads
@@ -102,6 +116,11 @@ class SpecStreamConfig:
     """Rank of a LoRA applied to the stream rows only, in each MSA layer's four projections
     (a streams-only adapter: the main stream stays the base model, so outputs are the base
     model's by construction); 0 = the streams use the main stream's weights."""
+    draft_vocab_size: int = 0
+    """Tokens the streams draft from (0: the whole vocabulary). The checkpoint's
+    ``draft_vocab_mask`` (``[vocab_size]``, 1 at each of them, 0 elsewhere) marks them; the
+    streams' LM head then reads only their rows (drafts are still verified by the whole
+    model: outputs do not change, only which tokens can be drafted)."""
     prune: PruneConfig = field(default_factory=PruneConfig)
     """Tree-pruning adapter."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -134,6 +153,8 @@ class SpecStreamConfig:
             raise bad("init_rank", f"must be an integer >= 0, got {self.init_rank!r}")
         if not isinstance(self.stream_lora_rank, int) or self.stream_lora_rank < 0:
             raise bad("stream_lora_rank", f"must be an integer >= 0, got {self.stream_lora_rank!r}")
+        if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+            raise bad("draft_vocab_size", f"must be an integer >= 0, got {self.draft_vocab_size!r}")
         if self.prune.rank < 1:
             raise bad("prune.rank", f"must be >= 1, got {self.prune.rank!r}")
         if not 0.0 <= self.prune.threshold < 1.0:
@@ -173,6 +194,10 @@ class SpecStreamConfig:
         if self.prune.enabled:
             shapes["prune_a"] = (self.prune.rank, h)
             shapes["prune_b"] = (h, self.prune.rank)
+        if self.draft_vocab_size > 0:
+            if hf_config is None:
+                raise ConfigError("draft_vocab_size > 0: the shapes need the model's config")
+            shapes[DRAFT_VOCAB_MASK] = (config_value(hf_config, "vocab_size"),)
         if self.stream_lora_rank > 0:
             if hf_config is None:
                 raise ConfigError("stream_lora_rank > 0: the shapes need the model's config")
@@ -197,7 +222,10 @@ class SpecStreamConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if not self.draft_vocab_size:  # left out: readable by versions before the field
+            del data["draft_vocab_size"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> SpecStreamConfig:

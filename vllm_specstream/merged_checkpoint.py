@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vllm_specstream.base_model import read_safetensors_shapes
 from vllm_specstream.config import (
+    DRAFT_VOCAB_MASK,
     MERGED_ARCHITECTURE,
     STREAM_FILE,
     STREAM_PREFIX,
@@ -127,3 +128,13 @@ def check_stream_tensors(model_dir: Path, config: SpecStreamConfig, hf_config) -
                 f"hidden_size={hf_config.hidden_size}); {EXPORT_HINT} from an adapter trained on "
                 "this base model"
             )
+    if config.draft_vocab_size > 0:
+        from safetensors import safe_open
+
+        from vllm_specstream.draft_vocab import mask_token_ids
+
+        name = STREAM_PREFIX + DRAFT_VOCAB_MASK
+        where = found[name][0]
+        with safe_open(str(where), framework="pt") as f:
+            mask = f.get_tensor(name)
+        mask_token_ids(mask, config.draft_vocab_size, f"{where} (config.json: specstream)")

@@ -345,11 +345,10 @@ class SpecStreamProposer:
         if self.tree is not None:
             return self._tree_drafts(stash, k, rows, indices, len(sampled_token_ids))
         k = rows_of(k)
-        table = stash.draft_table
-        if stash.msa_input is not None:
-            # Placement "accepted", or a window forward that ran no streams (the step before
-            # drafted nothing or anchored drafts): the streams run now, at the anchors.
-            table = self.target.draft_at(stash, rows, indices, k)
+        # Placement "accepted", or a window forward that ran no streams (the step before
+        # drafted nothing or anchored drafts): the streams run now, at the anchors; window
+        # streams still waiting for the LM head go through it at the anchors only.
+        table = self.target.draft_at(stash, rows, indices, k)
         drafts = drafts_at(len(sampled_token_ids), rows, indices, table, k)
         why_none = "the streams left no draft at any request's anchor"
         min_prob = getattr(self.target, "draft_min_prob", 0.0)

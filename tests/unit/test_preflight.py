@@ -266,3 +266,32 @@ def test_tree_pruning_needs_a_pruning_adapter(tmp_path, monkeypatch):
         r"\(.*ckpt/config.json: specstream.prune.enabled is false\).*--objective prune",
     ):
         check(ckpt, k=4)
+
+
+@pytest.mark.parametrize(
+    ("marked", "size", "message"),
+    [
+        (3, 3, None),
+        (3, 4, r"draft_vocab_mask marks 3 tokens but draft_vocab_size is 4"),
+        (0, 2, r"draft_vocab_mask marks 0 tokens"),
+    ],
+)
+def test_the_draft_vocabulary_is_checked_before_the_engine_starts(tmp_path, marked, size, message):
+    ckpt = make_checkpoint(tmp_path, draft_vocab_size=size)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["vocab_size"] = 10
+    (ckpt / "config.json").write_text(json.dumps(config))
+    mask = np.zeros(10, dtype=np.float32)
+    mask[:marked] = 1
+    save_file(
+        {
+            "specstream.stream_embeddings": np.zeros((3, HIDDEN), dtype=np.float32),
+            "specstream.draft_vocab_mask": mask,
+        },
+        str(ckpt / "specstream.safetensors"),
+    )
+    if message is None:
+        check(ckpt, k=3)
+    else:
+        with pytest.raises(ConfigError, match=message):
+            check(ckpt, k=3)

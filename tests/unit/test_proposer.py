@@ -7,7 +7,7 @@ import torch
 
 from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.stash import StreamStash
+from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
     accepted_anchors,
     last_window_anchors,
@@ -280,3 +280,25 @@ def test_no_forward_batch_reason_names_the_missing_layer(monkeypatch):
     )
     context.attn_metadata = None
     assert no_forward_batch_reason(layer) == "vLLM passed no attention metadata"
+
+
+def test_pending_stream_rows_are_taken_at_the_anchors_read_and_only_once():
+    """A window's stream states wait in the stash; the proposer takes the anchors it reads
+    (the others stay pending, e.g. for an inspection), and nothing is projected twice."""
+    batch = ForwardBatch(
+        query_start_loc=torch.tensor([0, 3, 6]),
+        seq_lens=torch.tensor([9, 9]),
+        block_table=torch.zeros(2, 1, dtype=torch.int32),
+        positions=torch.tensor([6, 7, 8, 6, 7, 8]),
+    )
+    stash = StreamStash(1, batch, None, torch.full((6, 2), -1))
+    anchors = torch.tensor([[0, 1, 2], [3, 4, -1]])  # request 2's last column: padding
+    states = torch.arange(2 * 3 * 2 * 4, dtype=torch.float32).view(2, 3, 2, 4)
+    stash.stream_states = (anchors, states)
+    taken, got = take_stream_rows(stash, [1, 4])
+    assert taken.tolist() == [[-1, 1, -1], [-1, 4, -1]] and got is states
+    assert stash.stream_states[0].tolist() == [[0, -1, 2], [3, -1, -1]]
+    assert take_stream_rows(stash, [1, 4]) is None  # already taken
+    rest, _ = take_stream_rows(stash, None)
+    assert rest.tolist() == [[0, -1, 2], [3, -1, -1]]
+    assert stash.stream_states is None and take_stream_rows(stash, None) is None

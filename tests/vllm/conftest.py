@@ -16,9 +16,11 @@ def make_tiny_merged(
     heads: int = 4,
     kv_heads: int = 2,
     model_type: str = "llama",
+    draft_vocab_size: int = 0,
 ) -> Path:
     """A 4-layer Llama (or ``model_type``: qwen2) with head_dim 32 and GQA, SmolLM2's
-    tokenizer, random LoRA and streams, exported with `specstream export --merge` semantics."""
+    tokenizer, random LoRA and streams (and a draft vocabulary of ``draft_vocab_size``
+    random tokens), exported with `specstream export --merge` semantics."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -61,12 +63,25 @@ def make_tiny_merged(
         stream_init_std=1.0,
     )
     adapter = save_adapter(model, out.with_name(out.name + "-adapter"))
+    if draft_vocab_size:
+        from vllm_specstream.training.draft_vocab import write_draft_vocab
+
+        ids = torch.randperm(cfg.vocab_size)[:draft_vocab_size].tolist()
+        write_draft_vocab(adapter, ids, cfg.vocab_size)
     return export_merged(adapter, out, dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")
 def tiny_merged(base_model_dir, tmp_path_factory) -> Path:
     return make_tiny_merged(base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-merged")
+
+
+@pytest.fixture(scope="session")
+def tiny_merged_draft_vocab(base_model_dir, tmp_path_factory) -> Path:
+    """``tiny_merged``'s settings with a draft vocabulary of a third of the tokens."""
+    return make_tiny_merged(
+        base_model_dir, tmp_path_factory.mktemp("ckpt") / "tiny-vocab", draft_vocab_size=16384
+    )
 
 
 @pytest.fixture(scope="session")

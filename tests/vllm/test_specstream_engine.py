@@ -163,9 +163,15 @@ def test_small_kv_cache_preempts(runs, request):
 
 @pytest.mark.parametrize(
     ("placement", "stream_dtype"),
-    [("window", "model"), ("accepted", "model"), ("accepted", "bfloat16")],
+    [
+        ("window", "model"),
+        ("window-deferred", "model"),
+        ("window-draft-vocab", "model"),
+        ("accepted", "model"),
+        ("accepted", "bfloat16"),
+    ],
 )
-def test_stream_drafts_equal_the_training_implementation(tiny_merged, placement, stream_dtype):
+def test_stream_drafts_equal_the_training_implementation(request, placement, stream_dtype):
     """The streams vLLM computes over its paged cache give the same top-1 tokens as the
     training wrapper on the same checkpoint, at every anchor of the last forward: the
     prefill's last token (max_tokens=1) and a decode window with rejected drafts (9); with
@@ -174,8 +180,17 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, placement,
     close: at least 80% agree; on a CPU without a bf16 GEMM the engine says it falls back
     and the drafts are exact. The same engine checks a user's batch-size schedule: with 2
     drafts per request only streams 1-2 run (and equal streams 1-2 of all), none at batch
-    32, drafts at batch 1."""
+    32, drafts at batch 1. "window-deferred": the fused window pass leaves its stream rows
+    to the proposer, which projects the anchors it reads (the snapshot the rest).
+    "window-draft-vocab": a checkpoint whose streams draft from a third of the vocabulary
+    (as the training wrapper's drafts, which differ from the whole vocabulary's)."""
     from vllm_specstream.training.checkpoint import load_merged
+
+    vocab = placement == "window-draft-vocab"
+    told = placement == "window-deferred"
+    deferred = told or vocab  # a draft head never rides along
+    placement = "window" if placement.startswith("window") else placement
+    tiny_merged = request.getfixturevalue("tiny_merged_draft_vocab" if vocab else "tiny_merged")
 
     prompts = [r["prompt"] for r in make_requests(3, seed=1)]
     result, out = run_child(
@@ -185,9 +200,13 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, placement,
         max_tokens=[1, 9],
         prompts=prompts,
         placement=placement,
+        defer_stream_logits=told,
     )
     log = out.stdout + out.stderr
     assert "refused the model's stream stash" not in log, log[-4000:]
+    # A window of 4 anchors x 3 streams rides along the main rows unless told otherwise.
+    windows = [p["stash"] for p in result["probes"] if p["max_tokens"] == 9]
+    assert all(s["deferred"] == deferred for s in windows), windows
     packed = stream_dtype == "bfloat16" and bf16_gemm_available()
     if stream_dtype == "bfloat16":
         said = "stream pass in bf16" if packed else "bfloat16 cannot be honoured"
@@ -198,15 +217,18 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, placement,
     assert result["schedule_drafts"][0] <= 4 * 32 and result["schedule_drafts"][1] >= 10, result
     model = load_merged(tiny_merged)
     checked = {1: 0, 9: 0}
-    agree = total = 0
+    agree = total = outside = 0
     for probe in result["probes"]:
         assert len(probe["stash"]["qsl"]) == 2  # the request's own forward, alone
-        for row, want in _stash_rows_and_training_drafts(model, probe):
+        for row, want, whole in _stash_rows_and_training_drafts(model, probe):
             if not packed:
                 assert row == want, (probe["max_tokens"], row, want)
             agree += sum(x == y for x, y in zip(row, want))
             total += len(want)
+            outside += sum(x != y for x, y in zip(want, whole))
             checked[probe["max_tokens"]] += 1
+    # The draft vocabulary changed drafts (else this case could not tell it was used).
+    assert (outside > 0) == vocab, outside
     # Every prompt has its anchor; a decode window has several unless only one is run.
     assert checked[1] >= 3 and checked[9] >= (3 if placement == "accepted" else 4), checked
     assert agree >= 0.8 * total, (agree, total)
@@ -215,14 +237,15 @@ def test_stream_drafts_equal_the_training_implementation(tiny_merged, placement,
     # request drafting 3; then only the drafts it has are checked.)
     pair = list(_stash_rows_and_training_drafts(model, result["pair"]))
     assert pair, result["pair"]["stash"]
-    for row, want in pair:
+    for row, want, _ in pair:
         n = next((j for j, t in enumerate(row) if t < 0), len(row))
         assert n >= 2 and (packed or row[:n] == want[:n]), (row, want)
 
 
 def _stash_rows_and_training_drafts(model, probe):
-    """``(draft table row, the training wrapper's stream top-1 tokens)`` at every anchor of
-    the stash of ``probe`` (rows without drafts are skipped)."""
+    """``(draft table row, the training wrapper's stream top-1 tokens, the same over the whole
+    vocabulary)`` at every anchor of the stash of ``probe`` (rows without drafts are
+    skipped)."""
     import torch
 
     stash = probe["stash"]
@@ -242,7 +265,12 @@ def _stash_rows_and_training_drafts(model, probe):
             t = positions[i]
             with torch.no_grad():
                 ref = model(torch.tensor([known[: t + 1]]), anchors=torch.tensor([[t]]))
-                yield table[i], model.lm_head(ref.stream_hidden[0, 0]).argmax(-1).tolist()
+                hidden = ref.stream_hidden[0, 0]
+                yield (
+                    table[i],
+                    model.stream_logits(hidden).argmax(-1).tolist(),
+                    model.lm_head(hidden).argmax(-1).tolist(),
+                )
 
 
 def _copy(ckpt: Path, dest: Path) -> Path:

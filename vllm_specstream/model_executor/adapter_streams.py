@@ -35,7 +35,10 @@ from vllm_specstream.config import (
     SpecStreamConfig,
     check_stream_tensors,
 )
+from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stream_lora import StreamLoRAWeights
+
+logger = init_logger(__name__)
 
 Tensor = torch.Tensor
 
@@ -113,6 +116,13 @@ def read_adapter_streams(
     check_stream_tensors(
         tensors, config, deployment.hidden_size, f"{where}: {STREAM_FILE}", deployment.hf_config
     )
+    if config.draft_vocab_size:
+        logger.warning(
+            "%s: its draft vocabulary (%d tokens) is not used for a LoRA adapter's streams; "
+            "they draft from the whole vocabulary (serve it merged to use it)",
+            where,
+            config.draft_vocab_size,
+        )
     get = lambda key: tensors[key].to(dtype) if key in tensors else None  # noqa: E731
     stream_lora = StreamLoRAWeights(get, config) if config.stream_lora_rank > 0 else None
     return AdapterStreams(

@@ -37,6 +37,7 @@ from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError
 from vllm_specstream.cpu_env import single_thread_note
 from vllm_specstream.draft_trees import TreeTemplate, prune_nodes
+from vllm_specstream.draft_vocab import mask_token_ids
 from vllm_specstream.logger import init_logger
 from vllm_specstream.merged_checkpoint import (
     adapter_streams_only,
@@ -54,14 +55,19 @@ from vllm_specstream.model_executor.forward_batch import (
 from vllm_specstream.model_executor.fused_streams import FusedStreams
 from vllm_specstream.model_executor.lora_streams import base_logits_processor
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
-from vllm_specstream.model_executor.stash import StreamStash
+from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
     StreamParams,
     StreamRunner,
     accepted_anchors,
     last_window_anchors,
 )
-from vllm_specstream.model_executor.stream_weights import StreamWeights, build_stream_weights
+from vllm_specstream.model_executor.stream_weights import (
+    Matmul,
+    StreamWeights,
+    build_stream_weights,
+    draft_head,
+)
 from vllm_specstream.model_executor.tree_pruning import (
     attention_for_kept_rows,
     kept_tree_step,
@@ -93,6 +99,12 @@ logger = init_logger(__name__)
 
 #: Where the streams run (see the module docstring); each has its proposer.
 PLACEMENTS = tuple(PLACEMENT_PROPOSERS)
+#: Window stream rows up to which a fused pass puts them through the LM head with the main
+#: rows; beyond, only the rows at the anchors the proposer reads go through it, in a call
+#: of their own. The call of their own reads the whole head again (one core, AVX2, fp32,
+#: 49k-token head: +7.8 ms for 1 row); riding along costs per row (+4.0 ms for 6 rows,
+#: +14.3 for 20, +59.8 for 80: see benchmarks/README.md, "Stream logits").
+FUSED_STREAM_LOGITS_ROWS = 16
 
 
 class SpecStreamMixin:
@@ -197,6 +209,13 @@ class SpecStreamMixin:
         #: ``(stash, anchors, stream states [R, A, G, h])`` waiting for ``compute_logits``
         #: (fused pass).
         self._pending_streams: tuple | None = None
+        #: Window stream rows a fused pass projects with the main rows (more wait for the
+        #: proposer: :data:`FUSED_STREAM_LOGITS_ROWS`).
+        self.fused_stream_logits_rows = FUSED_STREAM_LOGITS_ROWS
+        #: The streams' LM head over the checkpoint's draft vocabulary and the vocabulary's
+        #: token ids (column -> token); None: the whole vocabulary.
+        self._draft_head: Matmul | None = None
+        self._draft_ids: torch.Tensor | None = None
 
     def _prune_threshold(self, vllm_config: VllmConfig) -> float:
         """The tree-pruning threshold of this engine: ``$SPECSTREAM_TREE_PRUNE``, else the
@@ -305,7 +324,35 @@ class SpecStreamMixin:
                 model_dtype=self._model_dtype,
                 tp_size=self._tp_size,
             )
+            self._load_draft_vocab()
         return loaded
+
+    def _load_draft_vocab(self) -> None:
+        """The draft head, if the checkpoint has a draft vocabulary."""
+        size = self.spec_config.draft_vocab_size
+        if size == 0 or not self.own_streams:
+            return
+        ids = mask_token_ids(
+            self.specstream.draft_vocab_mask, size, "specstream.safetensors (merged checkpoint)"
+        )
+        weight = self._lm_head_weight()
+        if self._tp_size > 1 or weight is None:
+            why = "tensor parallelism shards the LM head" if weight is not None else "no LM head"
+            logger.warning(
+                "specstream draft vocabulary (%d tokens) not used: %s; the streams draft "
+                "from the whole vocabulary",
+                size,
+                why,
+            )
+            return
+        packed = self._stream_weights is not None and self._stream_weights.lm_head is not None
+        self._draft_head = draft_head(weight[ids], packed, current_platform.is_cpu())
+        self._draft_ids = ids
+        logger.info(
+            "specstream streams draft from the checkpoint's draft vocabulary: %d of %d tokens",
+            size,
+            weight.shape[0],
+        )
 
     def _lm_head_weight(self) -> torch.Tensor | None:
         """The LM head's rows of real tokens (vLLM pads the vocabulary with zero rows)."""
@@ -519,28 +566,42 @@ class SpecStreamMixin:
     def draft_at(
         self, stash: StreamStash, rows: list[int], indices: list[int], num_streams: int = 0
     ) -> torch.Tensor:
-        """Placement ``"accepted"``: runs the first ``num_streams`` streams (0: all) at flat
-        token ``indices[i]`` of request row ``rows[i]`` of the forward that made ``stash``;
-        returns its draft table. Every tensor-parallel rank must call it with the same
-        arguments (the layers all-reduce)."""
+        """``stash``'s draft table with the drafts at flat token ``indices[i]`` of request
+        row ``rows[i]`` of the forward that made it: placement ``"accepted"`` (or a forward
+        that kept its MSA input) runs the first ``num_streams`` streams (0: all) there first;
+        pending window streams there go through the LM head. Every tensor-parallel rank must
+        call it with the same arguments (the layers all-reduce, the LM head gathers)."""
         if stash.msa_input is not None:
             anchors = accepted_anchors(stash.batch, rows, indices)
             self._run_streams(stash, stash.msa_input, anchors, num_streams)
             stash.msa_input = None
+        self.project_streams(stash, indices)
         return stash.draft_table
 
     def _run_streams(
         self, stash: StreamStash, msa_input: torch.Tensor, anchors: torch.Tensor, num_streams: int
     ) -> None:
-        """Top-1 tokens of the first ``num_streams`` streams (0: all) at ``anchors``
-        (``[R, A]``) into ``stash``'s draft table (the other columns stay -1)."""
+        """The final states of the first ``num_streams`` streams (0: all) at ``anchors``
+        (``[R, A]``), pending in ``stash`` until :meth:`project_streams`."""
         anchors = self._stream_runner().anchors_with_streams(stash.batch, anchors)
-        valid = anchors >= 0
-        if not bool(valid.any()):
+        if not bool((anchors >= 0).any()):
             return  # e.g. a step of partial prefills only: no request drafts
         hidden = self._stream_runner()(msa_input, stash.batch, anchors, num_streams)
-        rows = hidden[valid].reshape(-1, hidden.shape[-1])
-        self._write_drafts(stash, anchors, self._stream_logits(rows), hidden.shape[2])
+        stash.stream_states = (anchors, hidden)
+
+    def project_streams(self, stash: StreamStash, indices: list[int] | None) -> None:
+        """Top-1 tokens of ``stash``'s pending streams at flat token ``indices`` (None: all)
+        into its draft table (the other columns stay -1)."""
+        taken = take_stream_rows(stash, indices)
+        if taken is None:
+            return
+        anchors, hidden = taken
+        rows = hidden[anchors >= 0].reshape(-1, hidden.shape[-1])
+        if self._draft_head is not None:
+            logits = self._draft_head(rows)
+            self._write_drafts(stash, anchors, logits, hidden.shape[2], self._draft_ids)
+        else:
+            self._write_drafts(stash, anchors, self._stream_logits(rows), hidden.shape[2])
 
     def _stream_logits(self, rows: torch.Tensor):
         """Logits of stream rows on their own: the prepacked LM head if there is one, else
@@ -556,25 +617,38 @@ class SpecStreamMixin:
         return super().compute_logits(rows)
 
     def compute_logits(self, hidden_states: torch.Tensor):
-        """vLLM's logits; after a fused window pass the streams' final states go through
-        the LM head in the same call and their top-1 tokens into the stash."""
+        """vLLM's logits; after a fused window pass with few stream rows their final states
+        go through the LM head in the same call and their top-1 tokens into the stash (more
+        rows, or LoRA serving, whose mapping is the main rows': they wait in the stash for
+        the proposer, which projects only the anchors it reads)."""
         pending, self._pending_streams = self._pending_streams, None
         if pending is None:
             return super().compute_logits(hidden_states)
         stash, anchors, hidden = pending
         rows = hidden[anchors >= 0].reshape(-1, hidden.shape[-1])
-        if self._runner.lora is not None:  # two calls: the LoRA mapping is the main rows'
-            main = super().compute_logits(hidden_states)
-            self._write_drafts(stash, anchors, self._stream_logits(rows), hidden.shape[2])
-            return main
+        if (
+            self._runner.lora is not None
+            or self._draft_head is not None
+            or rows.shape[0] > self.fused_stream_logits_rows
+        ):
+            stash.stream_states = (anchors, hidden)
+            return super().compute_logits(hidden_states)
         n = hidden_states.shape[0]
         logits = super().compute_logits(torch.cat((hidden_states, rows.to(hidden_states.dtype))))
         self._write_drafts(stash, anchors, None if logits is None else logits[n:], hidden.shape[2])
         return None if logits is None else logits[:n]
 
-    def _write_drafts(self, stash: StreamStash, anchors: torch.Tensor, logits, g: int) -> None:
+    def _write_drafts(
+        self,
+        stash: StreamStash,
+        anchors: torch.Tensor,
+        logits,
+        g: int,
+        token_ids: torch.Tensor | None = None,
+    ) -> None:
         """Top-1 tokens of ``g`` streams at each valid anchor (``logits`` of their rows, in
-        anchor-major order) into the stash's draft table."""
+        anchor-major order; ``token_ids``: each logit column's token, if not its index) into
+        the stash's draft table."""
         if logits is None:  # tensor-parallel ranks other than the first
             stash.drafting_rank = False
             return
@@ -584,9 +658,13 @@ class SpecStreamMixin:
             tokens = confident_drafts(tokens.view(-1, g), top_prob.view(-1, g), self.draft_min_prob)
         else:
             tokens = logits.argmax(dim=-1).view(-1, g)
+        if token_ids is not None:
+            tokens = torch.where(tokens >= 0, token_ids[tokens.clamp(min=0)], tokens)
         stash.draft_table[anchors[valid], :g] = tokens
         if stash.draft_topk is not None:
             top = logits.topk(stash.draft_topk.shape[-1], dim=-1).indices
+            if token_ids is not None:
+                top = token_ids[top]
             stash.draft_topk[anchors[valid], :g] = top.view(-1, g, top.shape[-1])
 
 
@@ -617,14 +695,37 @@ class SpecStreamForCausalLM(SpecStreamLlamaForCausalLM):
         return super().__new__(cls)
 
 
+def defer_all_stream_logits(model) -> None:
+    """``LLM.apply_model(defer_all_stream_logits)``: a fused window pass leaves every stream
+    row to the proposer (which projects the anchors it reads)."""
+    model.fused_stream_logits_rows = 0
+
+
+def fuse_all_stream_logits(model) -> None:
+    """``LLM.apply_model(fuse_all_stream_logits)``: a fused window pass projects every
+    stream row with the main rows, over the whole vocabulary."""
+    model.fused_stream_logits_rows = 1 << 30
+    whole_vocab_drafts(model)
+
+
+def whole_vocab_drafts(model) -> None:
+    """``LLM.apply_model(whole_vocab_drafts)``: the streams draft from the whole vocabulary
+    even where the checkpoint has a draft vocabulary."""
+    model._draft_head = model._draft_ids = None
+
+
 def stash_snapshot(model) -> dict | None:
     """The last stash's anchors and stream drafts as plain lists, for inspection through
     ``LLM.apply_model(stash_snapshot)``."""
     stash = getattr(model, "last_stash", None)
     if stash is None:
         return None
+    deferred = stash.stream_states is not None
+    with torch.inference_mode():  # the table was made in the forward's inference mode
+        model.project_streams(stash, None)
     return {
         "step": stash.step,
+        "deferred": deferred,
         "qsl": stash.batch.query_start_loc.tolist(),
         "positions": stash.batch.positions.tolist(),
         "input_ids": stash.input_ids.tolist() if stash.input_ids is not None else None,

@@ -2,7 +2,8 @@
 
 The model computes (placement ``"window"``) or prepares (``"accepted"``) the streams in
 its forward; the proposer reads them after rejection sampling, with nothing of ours in
-between. A stash from another step would hand its drafts to the wrong rows: lossless
+between (window streams whose LM head was left for later go through it then, at the
+anchors the proposer reads only). A stash from another step would hand its drafts to the wrong rows: lossless
 (vLLM verifies every draft) but the speedup silently gone. So the model tags each stash
 with its forward counter and drops it when the next forward starts, the proposer takes it
 (clearing it) and refuses one that fails :func:`stash_problem` or
@@ -34,6 +35,10 @@ class StreamStash:
     msa_input: torch.Tensor | None = None
     """``[num_tokens, h]`` residual stream entering L0, kept until ``draft_at`` (placement
     ``"accepted"``)."""
+    stream_states: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(anchors [R, A], states [R, A, G, h])``: window streams whose final states have not
+    been through the LM head yet (flat token index per anchor, -1: none). Only the anchors
+    the proposer reads go through it (:func:`take_stream_rows`); the others never do."""
     draft_topk: torch.Tensor | None = None
     """``[num_tokens, G, K]`` each stream's top-K tokens at each anchor, best first (draft
     trees only)."""
@@ -75,3 +80,21 @@ def anchor_token_problem(
         f"row {rows[i]}'s last accepted token is {int(want[i])} but the stash has "
         f"{int(seen[i])} there ({bad.size} of {len(rows)} rows differ)"
     )
+
+
+def take_stream_rows(
+    stash: StreamStash, indices: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(anchors [R, A], states [R, A, G, h])`` of ``stash``'s pending stream states at
+    the flat token ``indices`` (None: at every anchor), the other anchors -1; the taken
+    anchors are no longer pending. None when none of them is pending."""
+    if stash.stream_states is None:
+        return None
+    anchors, states = stash.stream_states
+    pending = anchors >= 0
+    take = pending if indices is None else pending & torch.isin(anchors, torch.tensor(indices))
+    if not bool(take.any()):
+        return None
+    left = pending & ~take
+    stash.stream_states = (torch.where(left, anchors, -1), states) if bool(left.any()) else None
+    return torch.where(take, anchors, -1), states

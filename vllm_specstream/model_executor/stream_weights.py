@@ -212,3 +212,23 @@ def build_stream_weights(
         ENV_STREAM_DTYPE,
     )
     return weights
+
+
+def draft_head(weight: Tensor, packed: bool, platform_is_cpu: bool) -> Matmul:
+    """The streams' LM head over the draft vocabulary: ``weight`` holds its rows of the LM
+    head (``[V_d, h]``, a copy). In bf16 where the stream pass runs in bf16 (``packed``);
+    on a CPU through vLLM's oneDNN matmul, as its own LM head runs; else ``F.linear``."""
+    if packed:
+        return PackedLinear(weight)
+    weight = weight.detach().contiguous()
+    if platform_is_cpu:
+        from vllm import _custom_ops as ops
+
+        if getattr(ops, "_supports_onednn", False):
+            try:
+                handle = ops.create_onednn_mm(weight.t(), 32)
+            except RuntimeError as e:  # e.g. bf16 weights on a CPU without a bf16 GEMM
+                logger.debug("draft head: no oneDNN matmul (%s); torch's linear", e)
+            else:
+                return lambda x: ops.onednn_mm(handle, x.to(weight.dtype).contiguous(), None)
+    return lambda x: torch.nn.functional.linear(x.to(weight.dtype), weight)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_specstream.config import (
+    DRAFT_VOCAB_MASK,
     STREAM_LORA_STAGES,
     ConfigError,
     SpecStreamConfig,
@@ -78,7 +79,10 @@ def initial_stream_tensor(
     name: str, shape: tuple[int, ...], dtype: torch.dtype, stream_init_std: float
 ) -> Tensor:
     """Initial value of a stream tensor: ``P ~ N(0, std^2)``; an adapter's ``A ~ N(0, 1/h)``
-    and ``B = 0``, so that ``f`` and the pruning adapter start as the identity."""
+    and ``B = 0``, so that ``f`` and the pruning adapter start as the identity; the draft
+    vocabulary starts as every token (a checkpoint's replaces it)."""
+    if name == "draft_vocab_mask":
+        return torch.ones(shape, dtype=dtype)
     if name == "stream_embeddings":
         return torch.randn(shape, dtype=dtype) * stream_init_std
     if name.endswith("_b"):
@@ -214,7 +218,12 @@ class SpecStreamModel(nn.Module):
         shapes = config.stream_tensor_shapes(hf_config.hidden_size, hf_config)
         for name, shape in shapes.items():
             init = initial_stream_tensor(name, shape, dtype, stream_init_std)
-            self.register_parameter(name, nn.Parameter(init))
+            # The draft vocabulary is data, not trained.
+            self.register_parameter(
+                name, nn.Parameter(init, requires_grad=name != DRAFT_VOCAB_MASK)
+            )
+        if config.draft_vocab_size == 0:
+            self.draft_vocab_mask = None
         if config.init_rank == 0:
             self.init_a = self.init_b = None
         if not config.prune.enabled:
@@ -232,6 +241,14 @@ class SpecStreamModel(nn.Module):
 
     def lm_head(self, hidden: Tensor) -> Tensor:
         return self.causal_lm.lm_head(hidden)
+
+    def stream_logits(self, stream_hidden: Tensor) -> Tensor:
+        """The streams' logits for drafting: the LM head's, tokens outside the draft
+        vocabulary (if the checkpoint has one) at ``-inf``."""
+        logits = self.lm_head(stream_hidden)
+        if self.draft_vocab_mask is None:
+            return logits
+        return logits.masked_fill(self.draft_vocab_mask <= 0, float("-inf"))
 
     def stream_lora(self, msa_index: int) -> dict[str, tuple[Tensor, Tensor]]:
         """The stream LoRA of MSA layer ``msa_index`` (0 = L0): stage -> ``(A, B)``."""

@@ -56,8 +56,9 @@ def _argmax(model: SpecStreamModel, hidden: Tensor) -> list[int]:
 
 
 def _stream_topk(model: SpecStreamModel, stream_hidden: Tensor, k: int, n: int) -> list[list[int]]:
-    """Top-k tokens of streams ``1..n`` for one anchor (``stream_hidden``: ``[G, h]``)."""
-    logits = model.lm_head(stream_hidden[:n])
+    """Top-k tokens of streams ``1..n`` for one anchor (``stream_hidden``: ``[G, h]``), from
+    the draft vocabulary if the checkpoint has one."""
+    logits = model.stream_logits(stream_hidden[:n])
     return logits.topk(k, dim=-1).indices.tolist()
 
 
