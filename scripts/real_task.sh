@@ -12,6 +12,8 @@
 # script again without it, e.g. on the CPU machine, for the evaluations and the model card);
 # SPECSTREAM_DTYPE=fp32|bf16 sets the training precision (default: auto);
 # SPECSTREAM_BIN names the directory of the `specstream` and `python` to use.
+# DRAFT_VOCAB_SIZE=N gives the adapter a draft vocabulary of N tokens from the training split
+# (`specstream draft-vocab`) before it is merged; 0 (the default) keeps the whole vocabulary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=$1
@@ -43,6 +45,10 @@ has() { [[ " $OBJECTIVES " == *" $1 "* ]]; }
 if has specstream; then
     "${RUN[@]}" $BIN/specstream train --out "$R-specstream" --objective specstream "${COMMON[@]}" \
         --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2
+    if [ "${DRAFT_VOCAB_SIZE:-0}" != 0 ] && [ ! -f "$R-specstream-merged/config.json" ]; then
+        $BIN/specstream draft-vocab "$R-specstream" --task "$TASK" --data "$DATA" \
+            --size "$DRAFT_VOCAB_SIZE"
+    fi
     [ -f "$R-specstream-merged/config.json" ] ||
         $BIN/specstream export "$R-specstream" "$R-specstream-merged" --merge
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-specstream-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
