@@ -143,16 +143,14 @@ def probe(
     max_tokens: list[int],
     prompts: list[str],
     placement: str,
-    defer_stream_logits: bool = False,
 ) -> dict:
     """The model's last stash after each prompt decoded alone (``k = 3``); then, under a
     user's schedule (3 drafts alone, 2 for two requests, none from three), one prompt twice
     together (its stash: two requests with 2 streams run) and the drafts counted at batch
-    32 and 1. ``defer_stream_logits``: a fused window pass leaves every stream row to the
-    proposer."""
+    32 and 1."""
     from vllm import SamplingParams
 
-    from vllm_specstream.model_executor.specstream import defer_all_stream_logits, stash_snapshot
+    from vllm_specstream.model_executor.specstream import stash_snapshot
 
     schedule = [(1, 1, 3), (2, 2, 2), (3, 1 << 16, 0)]
     llm = _llm(
@@ -162,8 +160,6 @@ def probe(
         spec_options={"num_speculative_tokens_per_batch_size": schedule},
         disable_log_stats=False,
     )
-    if defer_stream_logits:
-        llm.apply_model(defer_all_stream_logits)
 
     def drafts() -> float:
         return _metrics(llm, "spec_decode_num_drafts").get("vllm:spec_decode_num_drafts", 0)

@@ -165,7 +165,6 @@ def test_small_kv_cache_preempts(runs, request):
     ("placement", "stream_dtype"),
     [
         ("window", "model"),
-        ("window-deferred", "model"),
         ("window-draft-vocab", "model"),
         ("accepted", "model"),
         ("accepted", "bfloat16"),
@@ -180,15 +179,13 @@ def test_stream_drafts_equal_the_training_implementation(request, placement, str
     close: at least 80% agree; on a CPU without a bf16 GEMM the engine says it falls back
     and the drafts are exact. The same engine checks a user's batch-size schedule: with 2
     drafts per request only streams 1-2 run (and equal streams 1-2 of all), none at batch
-    32, drafts at batch 1. "window-deferred": the fused window pass leaves its stream rows
-    to the proposer, which projects the anchors it reads (the snapshot the rest).
-    "window-draft-vocab": a checkpoint whose streams draft from a third of the vocabulary
-    (as the training wrapper's drafts, which differ from the whole vocabulary's)."""
+    32, drafts at batch 1. "window-draft-vocab": a checkpoint whose streams draft from a
+    third of the vocabulary (as the training wrapper's drafts, which differ from the whole
+    vocabulary's); its window streams wait for the proposer, which projects the anchors it
+    reads (the snapshot the rest)."""
     from vllm_specstream.training.checkpoint import load_merged
 
-    vocab = placement == "window-draft-vocab"
-    told = placement == "window-deferred"
-    deferred = told or vocab  # a draft head never rides along
+    vocab = deferred = placement == "window-draft-vocab"  # a draft head never rides along
     placement = "window" if placement.startswith("window") else placement
     tiny_merged = request.getfixturevalue("tiny_merged_draft_vocab" if vocab else "tiny_merged")
 
@@ -200,11 +197,10 @@ def test_stream_drafts_equal_the_training_implementation(request, placement, str
         max_tokens=[1, 9],
         prompts=prompts,
         placement=placement,
-        defer_stream_logits=told,
     )
     log = out.stdout + out.stderr
     assert "refused the model's stream stash" not in log, log[-4000:]
-    # A window of 4 anchors x 3 streams rides along the main rows unless told otherwise.
+    # A window of 4 anchors x 3 streams rides along the main rows, but not to a draft head.
     windows = [p["stash"] for p in result["probes"] if p["max_tokens"] == 9]
     assert all(s["deferred"] == deferred for s in windows), windows
     packed = stream_dtype == "bfloat16" and bf16_gemm_available()

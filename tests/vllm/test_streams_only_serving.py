@@ -46,7 +46,7 @@ def test_drafts_are_the_training_wrappers_and_outputs_the_base_models(
     model = load_merged(merged)
     checked = 0
     for probe in served:
-        for row, want in _stash_rows_and_training_drafts(model, probe):
+        for row, want, _ in _stash_rows_and_training_drafts(model, probe):
             assert row == want, (row, want)
             checked += 1
     assert checked >= 3, served
@@ -127,7 +127,7 @@ def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
     assert served[0]["tokens"] == base_outputs[0]
     rows = list(_stash_rows_and_training_drafts(load_merged(merged), served[0]))
     assert rows, served[0]["stash"]
-    for row, want in rows:
+    for row, want, _ in rows:
         assert row == want
     loras = [str(adapter), str(task), None]
     mixed = [{**r, "lora": lora} for r, lora in zip(REQUESTS, loras)]

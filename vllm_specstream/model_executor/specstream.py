@@ -695,12 +695,6 @@ class SpecStreamForCausalLM(SpecStreamLlamaForCausalLM):
         return super().__new__(cls)
 
 
-def defer_all_stream_logits(model) -> None:
-    """``LLM.apply_model(defer_all_stream_logits)``: a fused window pass leaves every stream
-    row to the proposer (which projects the anchors it reads)."""
-    model.fused_stream_logits_rows = 0
-
-
 def fuse_all_stream_logits(model) -> None:
     """``LLM.apply_model(fuse_all_stream_logits)``: a fused window pass projects every
     stream row with the main rows, over the whole vocabulary."""

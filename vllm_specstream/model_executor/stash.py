@@ -92,7 +92,11 @@ def take_stream_rows(
         return None
     anchors, states = stash.stream_states
     pending = anchors >= 0
-    take = pending if indices is None else pending & torch.isin(anchors, torch.tensor(indices))
+    take = (
+        pending
+        if indices is None
+        else pending & torch.isin(anchors, torch.tensor(indices, dtype=torch.long))
+    )
     if not bool(take.any()):
         return None
     left = pending & ~take
