@@ -221,3 +221,17 @@ def test_trees_are_the_tree_methods_only(dirs, monkeypatch):
     assert engine_env(pruned, "specstream-tree-pruned")["SPECSTREAM_TREE_PRUNE"] == "0.05"
     assert engine_env(pruned, "specstream-tree")["SPECSTREAM_TREE_PRUNE"] == "0.05"
     assert speculative_config_for("specstream-tree-pruned", cfg) == fixed
+
+
+def test_a_draft_vocabulary_is_not_counted_as_parameters(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(
+        {
+            "specstream.stream_embeddings": torch.zeros(4, 8),
+            "specstream.draft_vocab_mask": torch.ones(100),
+        },
+        str(ckpt / "specstream.safetensors"),
+    )
+    (ckpt / "config.json").write_text("{}")
+    assert extra_params("specstream", BenchConfig(checkpoint=str(ckpt))) == 32
