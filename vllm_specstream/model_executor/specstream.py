@@ -102,8 +102,8 @@ PLACEMENTS = tuple(PLACEMENT_PROPOSERS)
 #: Window stream rows up to which a fused pass puts them through the LM head with the main
 #: rows; beyond, only the rows at the anchors the proposer reads go through it, in a call
 #: of their own. The call of their own reads the whole head again (one core, AVX2, fp32,
-#: 49k-token head: +7.8 ms for 1 row); riding along costs per row (+4.0 ms for 6 rows,
-#: +14.3 for 20, +59.8 for 80: see benchmarks/README.md, "Stream logits").
+#: 49k-token head: +7.8 ms for 1 row); riding along costs per row (+5.3 ms for 6 rows,
+#: +14.3 for 20, +60.2 for 80: benchmarks/results/stream-logits/avx2.txt).
 FUSED_STREAM_LOGITS_ROWS = 16
 
 
