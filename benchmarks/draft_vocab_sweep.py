@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specstream.draft_vocab import draft_vocab_ids, draft_vocab_mask
+from vllm_specstream.draft_vocab import draft_vocab_mask
 from vllm_specstream.machine import describe_machine
 
 
@@ -35,26 +35,19 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from vllm_specstream.training.checkpoint import load_adapter
-    from vllm_specstream.training.data import end_of_turn_id
-    from vllm_specstream.training.draft_vocab import token_counts
+    from vllm_specstream.training.draft_vocab import task_tokens
     from vllm_specstream.training.evaluate import eval_cases, evaluate_checkpoint
-    from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION, select_split
-    from vllm_specstream.training.tasks.public import load_task_data
 
     torch.set_num_threads(2)
     model = load_adapter(args.adapter)
     tok = AutoTokenizer.from_pretrained(model.config.base_model)
     vocab = model.lm_head(torch.zeros(1, model.stream_embeddings.shape[-1])).shape[-1]
-    train = select_split(load_task_data(args.task, args.data), "train", DEFAULT_VAL_FRACTION)
-    replies, prompts = token_counts(
-        tok, [ref for r in train for ref in r.references], [r.prompt for r in train]
-    )
-    always = [end_of_turn_id(tok)]
+    tokens = task_tokens(tok, args.task, args.data)
     cases = eval_cases(args.task, None, args.n, data=args.data, split="val")
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         if size:
-            ids = draft_vocab_ids(replies, prompts, vocab, size, always)
+            ids = tokens.draft_vocab_ids(vocab, size)
             model.draft_vocab_mask = torch.nn.Parameter(draft_vocab_mask(ids, vocab), False)
         else:
             model.draft_vocab_mask = None

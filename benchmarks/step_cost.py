@@ -160,6 +160,15 @@ def main() -> None:
     clock.install(gmr.GPUModelRunner)
     proposers = keep_proposers()
     kw = cpu_engine_kwargs(dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_BYTES)
+    #: Engines per k beside the default, each with one setting of the model changed.
+    variants = {
+        name: setting
+        for name, setting, wanted in (
+            ("fused-logits", fuse_all_stream_logits, args.all_stream_logits_fused),
+            ("whole-vocab", whole_vocab_drafts, args.whole_vocab_too),
+        )
+        if wanted
+    }
     engines = {"plain": LLM(model=args.checkpoint, **kw)}
     drafts = {"plain": 0}
     if args.control:
@@ -168,14 +177,10 @@ def main() -> None:
         spec = speculative_config(k, placement=args.placement, adaptive=False)
         engines[f"k{k}"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
         drafts[f"k{k}"] = k
-        if args.all_stream_logits_fused:
-            fused = LLM(model=args.checkpoint, speculative_config=spec, **kw)
-            fused.apply_model(fuse_all_stream_logits)
-            engines[f"k{k}-fused-logits"], drafts[f"k{k}-fused-logits"] = fused, k
-        if args.whole_vocab_too:
-            whole = LLM(model=args.checkpoint, speculative_config=spec, **kw)
-            whole.apply_model(whole_vocab_drafts)
-            engines[f"k{k}-whole-vocab"], drafts[f"k{k}-whole-vocab"] = whole, k
+        for name, setting in variants.items():
+            llm = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+            llm.apply_model(setting)
+            engines[f"k{k}-{name}"], drafts[f"k{k}-{name}"] = llm, k
     if args.idle:
         spec = speculative_config(max(ks), placement=args.placement)
         engines["idle"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)

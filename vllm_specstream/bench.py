@@ -231,12 +231,13 @@ def extra_params(method: str, cfg: BenchConfig) -> int:
             return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if keep(k))  # noqa: SIM118
 
     if method.startswith("specstream"):
-        from vllm_specstream.config import DRAFT_VOCAB_MASK, STREAM_PREFIX
+        from vllm_specstream.config import STREAM_PREFIX, counts_as_parameters
         from vllm_specstream.training.checkpoint import STREAM_FILE
 
-        # The draft vocabulary's mask is a token set, not parameters.
-        mask = STREAM_PREFIX + DRAFT_VOCAB_MASK
-        return count(Path(cfg.checkpoint) / STREAM_FILE, lambda k: k != mask)
+        return count(
+            Path(cfg.checkpoint) / STREAM_FILE,
+            lambda k: counts_as_parameters(k.removeprefix(STREAM_PREFIX)),
+        )
     if method == "medusa":
         # The heads share the target's LM head (``original_lm_head``): only blocks are new.
         return count(Path(cfg.medusa) / "model.safetensors", lambda k: k.startswith("blocks."))

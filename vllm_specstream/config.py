@@ -34,6 +34,12 @@ def stream_lora_name(layer: int, stage: str, which: str) -> str:
 DRAFT_VOCAB_MASK = "draft_vocab_mask"
 
 
+def counts_as_parameters(name: str) -> bool:
+    """Whether the stream tensor ``name`` (unprefixed) holds parameters: the draft
+    vocabulary's mask is a token set (reported apart from a checkpoint's extra parameters)."""
+    return name != DRAFT_VOCAB_MASK
+
+
 def config_value(hf_config: Any, key: str) -> Any:
     """``key`` of a model's ``config.json`` given as a dict or a config object."""
     if isinstance(hf_config, Mapping):

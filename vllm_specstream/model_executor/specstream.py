@@ -625,14 +625,15 @@ class SpecStreamMixin:
         if pending is None:
             return super().compute_logits(hidden_states)
         stash, anchors, hidden = pending
-        rows = hidden[anchors >= 0].reshape(-1, hidden.shape[-1])
+        valid = anchors >= 0
         if (
             self._runner.lora is not None
             or self._draft_head is not None
-            or rows.shape[0] > self.fused_stream_logits_rows
+            or int(valid.sum()) * hidden.shape[2] > self.fused_stream_logits_rows
         ):
             stash.stream_states = (anchors, hidden)
             return super().compute_logits(hidden_states)
+        rows = hidden[valid].reshape(-1, hidden.shape[-1])
         n = hidden_states.shape[0]
         logits = super().compute_logits(torch.cat((hidden_states, rows.to(hidden_states.dtype))))
         self._write_drafts(stash, anchors, None if logits is None else logits[n:], hidden.shape[2])

@@ -38,6 +38,38 @@ def token_counts(
 
 
 @dataclass
+class TaskTokens:
+    """The tokens a task file's training split uses, which rank a draft vocabulary."""
+
+    replies: Counter
+    prompts: Counter
+    always: list[int]
+    """Tokens every draft vocabulary keeps: the end of a reply."""
+
+    def draft_vocab_ids(self, vocab_size: int, size: int) -> list[int]:
+        return draft_vocab_ids(self.replies, self.prompts, vocab_size, size, self.always)
+
+
+def task_tokens(
+    tokenizer, task: str, data: str | Path, val_fraction: float | None = None, seed: int = 0
+) -> TaskTokens:
+    """:class:`TaskTokens` of the training split of ``data`` (``task``'s format; the split
+    ``specstream train`` trains on with the same ``val_fraction`` and ``seed``)."""
+    from vllm_specstream.training.data import end_of_turn_id
+    from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION, select_split
+    from vllm_specstream.training.tasks.public import load_task_data
+
+    fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
+    records = select_split(load_task_data(task, data), "train", fraction, seed)
+    replies = [ref for r in records for ref in r.references]
+    reply_counts, prompt_counts = token_counts(tokenizer, replies, [r.prompt for r in records])
+    always = [end_of_turn_id(tokenizer)]
+    if tokenizer.eos_token_id is not None:
+        always.append(int(tokenizer.eos_token_id))
+    return TaskTokens(reply_counts, prompt_counts, always)
+
+
+@dataclass
 class DraftVocabSummary:
     """What :func:`add_draft_vocab` wrote."""
 
@@ -65,9 +97,6 @@ def add_draft_vocab(
     from transformers import AutoTokenizer
 
     from vllm_specstream.training.checkpoint import resolve_base
-    from vllm_specstream.training.data import end_of_turn_id
-    from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION, select_split
-    from vllm_specstream.training.tasks.public import load_task_data
 
     adapter = Path(adapter_dir)
     config = SpecStreamConfig.load(adapter)
@@ -78,23 +107,17 @@ def add_draft_vocab(
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     hf_config = json.loads((Path(base_dir) / "config.json").read_text())
     vocab_size = int(hf_config["vocab_size"])
-    fraction = DEFAULT_VAL_FRACTION if val_fraction is None else val_fraction
-    records = select_split(load_task_data(task, data), "train", fraction, seed)
-    replies = [ref for r in records for ref in r.references]
-    reply_counts, prompt_counts = token_counts(tokenizer, replies, [r.prompt for r in records])
-    always = [end_of_turn_id(tokenizer)]
-    if tokenizer.eos_token_id is not None:
-        always.append(int(tokenizer.eos_token_id))
-    ids = draft_vocab_ids(reply_counts, prompt_counts, vocab_size, size, always)
+    tokens = task_tokens(tokenizer, task, data, val_fraction, seed)
+    ids = tokens.draft_vocab_ids(vocab_size, size)
     kept = set(ids)
-    total = sum(reply_counts.values())
-    covered = sum(n for t, n in reply_counts.items() if t in kept)
+    total = sum(tokens.replies.values())
+    covered = sum(n for t, n in tokens.replies.items() if t in kept)
 
     write_draft_vocab(adapter, ids, vocab_size)
     return DraftVocabSummary(
         size=len(ids),
         vocab_size=vocab_size,
-        reply_tokens=len(reply_counts),
+        reply_tokens=len(tokens.replies),
         reply_coverage=covered / total if total else 1.0,
     )
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specstream.config import CONFIG_FILE, DRAFT_VOCAB_MASK, ConfigError
+from vllm_specstream.config import CONFIG_FILE, ConfigError, counts_as_parameters
 from vllm_specstream.training.metrics import task_metrics
 from vllm_specstream.training.model import SpecStreamModel
 from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
@@ -106,8 +106,7 @@ def evaluate_checkpoint(
             tree_tokens, tree_steps = tree_tokens + len(tree.tokens) - 1, tree_steps + tree.steps
         predictions.append(tokenizer.decode(chain.tokens, skip_special_tokens=True).strip())
     metrics = task_metrics(task, predictions, [c.references for c in cases])
-    # The draft vocabulary's mask is a token set, not parameters.
-    extra = sum(p.numel() for n, p in model.stream_parameters().items() if n != DRAFT_VOCAB_MASK)
+    extra = sum(p.numel() for n, p in model.stream_parameters().items() if counts_as_parameters(n))
     return {
         "task": task,
         "num_prompts": len(cases),
