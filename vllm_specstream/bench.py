@@ -305,6 +305,11 @@ def request_timing(output) -> tuple[float, float | None]:
     return stats.first_token_latency, per_token
 
 
+def engine_mode(cfg: BenchConfig) -> str:
+    """``eager``, or ``compiled`` where the engines run vLLM's torch.compile of the decoder."""
+    return "eager" if cfg.engine_options.get("enforce_eager", True) else "compiled"
+
+
 def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
     """Run every (temperature, batch size) cell of ``method`` on one engine (a fresh one per
     cell and repeat for :data:`FRESH_ENGINE_PER_CELL`)."""
@@ -597,7 +602,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     machine = describe_machine()
     setting = (
         f"{cfg.num_prompts} prompts ({prompt_source(cfg)}), max_tokens "
-        f"{cfg.max_tokens}, {cfg.dtype}, eager, k={cfg.num_speculative_tokens}, "
+        f"{cfg.max_tokens}, {cfg.dtype}, {engine_mode(cfg)}, k={cfg.num_speculative_tokens}, "
         f"{env_setting(cfg)}, {cfg.repeats} repeats, median tok/s over batches"
         + (f", {cfg.rounds} rounds (median of per-round speedups)" if cfg.rounds > 1 else "")
     )

@@ -375,6 +375,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             dtype=args.dtype,
             omp_threads_bind=args.omp_threads_bind,
+            engine_options={"enforce_eager": False} if args.compile else {},
             tree_top_k=args.tree_top_k,
             tree_nodes=args.tree_nodes,
             tree_prune=args.tree_prune,
@@ -713,6 +714,13 @@ def _add_training_parsers(sub) -> None:
         help="VLLM_CPU_OMP_THREADS_BIND for every engine (default: the environment's, else "
         "vLLM's 'auto', which keeps one core for the front-end; 'nobind' gives the worker "
         "all cores); recorded in the report",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run every engine in vLLM's default compiled mode (torch.compile of the decoder, "
+        "~1.5 min more per engine start; what `vllm serve` does without --enforce-eager) "
+        "instead of eager mode; specstream then places its streams at the accepted position",
     )
     p.add_argument("--out", default="bench-results", help="output directory")
     p.set_defaults(func=_cmd_bench)

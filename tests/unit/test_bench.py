@@ -235,3 +235,19 @@ def test_a_draft_vocabulary_is_not_counted_as_parameters(tmp_path):
     )
     (ckpt / "config.json").write_text("{}")
     assert extra_params("specstream", BenchConfig(checkpoint=str(ckpt))) == 32
+
+
+def test_compile_flag_runs_every_engine_compiled(dirs, monkeypatch):
+    """``--compile`` turns off the eager mode of every engine and says so in the report."""
+    import vllm_specstream.bench as bench
+    from vllm_specstream.cli import main
+
+    ckpt, _ = dirs
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", seen.append)
+    for flags, mode in (([], "eager"), (["--compile"], "compiled")):
+        assert main(["bench", str(ckpt), "--methods", "plain", *flags]) == 0
+        cfg = seen.pop()
+        assert bench.engine_mode(cfg) == mode
+        kwargs = {"enforce_eager": True, **cfg.engine_options}  # run_cells' order
+        assert kwargs["enforce_eager"] is (mode == "eager")
