@@ -16,10 +16,9 @@ arithmetic, not by reading the weights.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from stream_logits import median_ms
 
 
 def main() -> None:
@@ -62,13 +61,7 @@ def main() -> None:
                 for handle, x in zip(layer, xs):
                     ops.onednn_mm(handle, x, None)
 
-        forward()
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            forward()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
+        return median_ms(forward, args.repeats)
 
     print(describe_machine())
     print(
