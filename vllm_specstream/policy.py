@@ -75,7 +75,9 @@ class AcceptanceStats:
     decay: float = 0.98
     """Per step that drafted (a window of ~50 such steps)."""
     prior_rate: float = 0.7
-    """Prior ``P(draft j accepted | drafted) = prior_rate ** j``."""
+    """Prior ``P(draft 1 accepted | drafted)``; a deeper position's prior follows the
+    acceptance estimated before it (:meth:`accept_rates`): ``prior_rate ** j`` with no
+    evidence at all."""
     prior_weight: float = 4.0
     """The prior counts as this many drafts at each position."""
     proposed: np.ndarray = field(init=False)
@@ -115,10 +117,27 @@ class AcceptanceStats:
         return self.prior_rate ** np.arange(1, self.num_positions + 1)
 
     def accept_rates(self) -> np.ndarray:
-        """``P(draft j accepted)`` for ``j = 1..num_positions`` (non-increasing)."""
-        prior = self.prior_rates()
-        rates = (self.accepted + self.prior_weight * prior) / (self.proposed + self.prior_weight)
-        return np.minimum.accumulate(rates)
+        """``P(draft j accepted)`` for ``j = 1..num_positions`` (non-increasing).
+
+        Each position's evidence is weighed with ``prior_weight`` drafts at a prior: for the
+        first position ``prior_rate``, for a deeper one the estimate of the position before
+        it times the conditional acceptance estimated there (``r[j-1] / r[j-2]``). Positions
+        a policy has not drafted yet are so priced like the ones it has: under a fixed
+        ``prior_rate ** j`` an engine that began with two drafts a step never learnt that
+        its third and fourth were accepted (E2E at batch 1: estimates 0.23 for positions 3
+        and 4 kept it at two drafts a step; with four drafts at every step 55% of third and
+        44% of fourth drafts are accepted)."""
+        rates = np.empty(self.num_positions)
+        before, conditional = 1.0, self.prior_rate
+        for j in range(self.num_positions):
+            prior = before * conditional
+            rate = (self.accepted[j] + self.prior_weight * prior) / (
+                self.proposed[j] + self.prior_weight
+            )
+            rate = min(rate, before)
+            conditional = rate / before if before > 0 else 0.0
+            rates[j] = before = rate
+        return rates
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a step with ``k`` drafts yields per request (:func:`tokens_per_step`)."""

@@ -110,6 +110,26 @@ def test_acceptance_estimate_starts_at_the_prior_and_follows_the_evidence():
     assert stats.accept_rates()[1] > 0.6
 
 
+def test_positions_not_yet_drafted_follow_the_acceptance_seen_before_them():
+    stats = AcceptanceStats(num_positions=4, decay=1.0)
+    np.testing.assert_allclose(stats.accept_rates(), 0.7 ** np.arange(1, 5))
+    for _ in range(40):  # two drafts a step, 90% of firsts and 81% of seconds kept
+        stats.record_proposed([[1, 2]] * 10)
+        stats.record_verified([[1, 2, 3]] * 8 + [[1, 3]] + [[3]])
+    rates = stats.accept_rates()
+    np.testing.assert_allclose(rates[:2], [0.9, 0.8], atol=0.01)
+    # Positions 3 and 4 were never drafted: priced at the conditional acceptance seen at
+    # position 2 (~0.89), not at the fixed 0.7 ** j (0.34, 0.24) that kept the policy at
+    # two drafts.
+    np.testing.assert_allclose(rates[2:], [0.8 * 0.89, 0.8 * 0.89**2], atol=0.02)
+    policy = DraftPolicy(4, TABLE, stats, margin=0.03)
+    assert policy.draft_length(1) == 4
+    for _ in range(40):  # the fourth draft tried and never kept: the evidence wins
+        stats.record_proposed([[1, 2, 3, 4]] * 10)
+        stats.record_verified([[1, 2, 3, 9]] * 8 + [[1, 2, 9]] * 2)
+    assert stats.accept_rates()[3] < 0.05 and policy.draft_length(1) == 3
+
+
 def test_policy_drafts_what_pays_at_each_batch_size():
     stats = AcceptanceStats(num_positions=4, prior_weight=1e-9)
     stats.accepted[:] = [0.9, 0.8, 0.6, 0.4]
