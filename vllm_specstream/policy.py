@@ -65,28 +65,37 @@ from vllm_specstream.step_cost import StepCostTable
 class AcceptanceStats:
     """Running estimate of ``P(draft j accepted | j drafted)`` for ``j = 1..num_positions``.
 
-    ``record_proposed`` notes the drafts handed to vLLM; the next step's
-    ``record_verified`` reads how many each request kept (its sampled tokens minus the
-    bonus token). Only totals per position are kept, so rows moving between steps do not
-    matter. Counts decay by ``decay`` at every step that drafted: old traffic fades.
+    vLLM keeps a prefix of each request's drafts, so the estimate is a product of
+    conditional acceptances: ``c_j``, the chance that draft ``j`` is kept when draft
+    ``j - 1`` was (:meth:`conditional_rates`). ``record_proposed`` notes the drafts handed
+    to vLLM; the next step's ``record_verified`` reads how many each request kept (its
+    sampled tokens minus the bonus token). Only totals per position are kept, so rows
+    moving between steps do not matter: draft ``j``'s trials are the drafts at ``j`` up to
+    the number of requests that kept ``j - 1`` (exact when a step's requests draft alike,
+    as the policy has them). Counts decay by ``decay`` at every step that drafted: old
+    traffic fades.
     """
 
     num_positions: int
     decay: float = 0.98
     """Per step that drafted (a window of ~50 such steps)."""
     prior_rate: float = 0.7
-    """Prior ``P(draft 1 accepted | drafted)``; a deeper position's prior follows the
-    acceptance estimated before it (:meth:`accept_rates`): ``prior_rate ** j`` with no
-    evidence at all."""
+    """Prior of the first two conditional acceptances; a deeper one's prior is the estimate
+    of the one before it (:meth:`conditional_rates`): ``prior_rate ** j`` with no evidence."""
     prior_weight: float = 4.0
-    """The prior counts as this many drafts at each position."""
+    """The prior counts as this many trials at each position."""
     proposed: np.ndarray = field(init=False)
+    """Drafts at each position."""
+    tried: np.ndarray = field(init=False)
+    """Drafts at each position whose draft before was kept (the first: all of them)."""
     accepted: np.ndarray = field(init=False)
+    """Drafts kept at each position."""
     pending: np.ndarray = field(init=False)
     """Drafts at each position handed out last step, awaiting verification."""
 
     def __post_init__(self) -> None:
         self.proposed = np.zeros(self.num_positions)
+        self.tried = np.zeros(self.num_positions)
         self.accepted = np.zeros(self.num_positions)
         self.pending = np.zeros(self.num_positions)
 
@@ -103,41 +112,50 @@ class AcceptanceStats:
         if not self.pending.any():
             return
         self.forget(self.decay)
-        kept = self._at_least([max(len(s) - 1, 0) for s in sampled_token_ids])
+        kept = np.minimum(
+            self._at_least([max(len(s) - 1, 0) for s in sampled_token_ids]), self.pending
+        )
         self.proposed += self.pending
-        self.accepted += np.minimum(kept, self.pending)
+        self.tried += np.minimum(self.pending, np.concatenate([[np.inf], kept[:-1]]))
+        self.accepted += kept
         self.pending = np.zeros(self.num_positions)
 
     def forget(self, factor: float) -> None:
         """Scale the evidence by ``factor`` (the prior keeps its weight)."""
         self.proposed *= factor
+        self.tried *= factor
         self.accepted *= factor
 
     def prior_rates(self) -> np.ndarray:
         return self.prior_rate ** np.arange(1, self.num_positions + 1)
 
-    def accept_rates(self) -> np.ndarray:
-        """``P(draft j accepted)`` for ``j = 1..num_positions`` (non-increasing).
+    def conditional_rates(self) -> np.ndarray:
+        """``c_j``: the chance draft ``j`` is kept when draft ``j - 1`` was.
 
-        Each position's evidence is weighed with ``prior_weight`` drafts at a prior: for the
-        first position ``prior_rate``, for a deeper one the estimate of the position before
-        it times the conditional acceptance estimated there (``r[j-1] / r[j-2]``). Positions
-        a policy has not drafted yet are so priced like the ones it has: under a fixed
-        ``prior_rate ** j`` an engine that began with two drafts a step never learnt that
-        its third and fourth were accepted (E2E at batch 1: estimates 0.23 for positions 3
-        and 4 kept it at two drafts a step; with four drafts at every step 55% of third and
-        44% of fourth drafts are accepted)."""
+        Each position's trials are weighed with ``prior_weight`` trials at a prior:
+        ``prior_rate`` for the first two, for a deeper one the estimate of the one before
+        it, so that drafts a policy has not made yet are priced like the ones it has (under
+        a fixed ``prior_rate ** j`` an engine that began with two drafts a step never
+        learnt that its third and fourth were kept: E2E at batch 1, estimates of 0.23 for
+        positions 3 and 4 kept it at two drafts a step where four drafts at every step
+        keep 55% of third and 44% of fourth drafts). The first draft's acceptance is not
+        a conditional one (it also counts the steps whose streams start off the target's
+        path), so it sets no prior: one rejected first draft does not price every deeper
+        position low."""
         rates = np.empty(self.num_positions)
-        before, conditional = 1.0, self.prior_rate
+        prior = self.prior_rate
         for j in range(self.num_positions):
-            prior = before * conditional
-            rate = (self.accepted[j] + self.prior_weight * prior) / (
-                self.proposed[j] + self.prior_weight
+            rates[j] = (self.accepted[j] + self.prior_weight * prior) / (
+                self.tried[j] + self.prior_weight
             )
-            rate = min(rate, before)
-            conditional = rate / before if before > 0 else 0.0
-            rates[j] = before = rate
-        return rates
+            if j >= 1:
+                prior = rates[j]
+        return np.clip(rates, 0.0, 1.0)
+
+    def accept_rates(self) -> np.ndarray:
+        """``P(draft j accepted)`` for ``j = 1..num_positions``: the product of the
+        conditional acceptances up to ``j`` (non-increasing)."""
+        return np.cumprod(self.conditional_rates())
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a step with ``k`` drafts yields per request (:func:`tokens_per_step`)."""

@@ -44,6 +44,7 @@ def _seen(accepted: list[int]) -> AcceptanceStats:
     """Acceptance seen on 100 drafts at each of 4 positions (no prior, no decay)."""
     stats = AcceptanceStats(num_positions=4, decay=1.0, prior_weight=1e-9)
     stats.proposed[:] = 100
+    stats.tried[:] = [100, *accepted[:-1]]
     stats.accepted[:] = accepted
     return stats
 
@@ -85,7 +86,10 @@ def test_acceptance_stats_count_what_vllm_kept():
     stats.record_verified([[1, 2, 9], [9], [9], [6, 7, 8, 9]])
     assert stats.proposed.tolist() == [3, 3, 2]
     assert stats.accepted.tolist() == [2, 2, 1]
-    np.testing.assert_allclose(stats.accept_rates(), [2 / 3, 2 / 3, 1 / 2])
+    # A second draft is tried where the first was kept, a third where the second was.
+    assert stats.tried.tolist() == [3, 2, 2]
+    np.testing.assert_allclose(stats.conditional_rates(), [2 / 3, 1, 1 / 2])
+    np.testing.assert_allclose(stats.accept_rates(), [2 / 3, 2 / 3, 1 / 3])
     assert stats.expected_tokens(2) == pytest.approx(1 + 4 / 3)
     # A step without drafts adds nothing.
     stats.record_proposed([[], []])
@@ -130,10 +134,24 @@ def test_positions_not_yet_drafted_follow_the_acceptance_seen_before_them():
     assert stats.accept_rates()[3] < 0.05 and policy.draft_length(1) == 3
 
 
+def test_a_rejected_first_draft_does_not_price_the_deeper_drafts_low():
+    stats = AcceptanceStats(num_positions=4)
+    stats.record_proposed([[1, 2]])
+    stats.record_verified([[3]])  # the first draft rejected: the second was never tried
+    assert stats.tried.tolist() == [1, 0, 0, 0]
+    c = stats.conditional_rates()
+    assert c[0] == pytest.approx(4 * 0.7 / 5)
+    np.testing.assert_allclose(c[1:], 0.7)  # the prior: nothing was learnt past the first
+    # Each further rejected first draft lowers the first position alone.
+    for _ in range(10):
+        stats.record_proposed([[1, 2]])
+        stats.record_verified([[3]])
+    np.testing.assert_allclose(stats.conditional_rates()[1:], 0.7)
+    assert stats.accept_rates()[0] < 0.3
+
+
 def test_policy_drafts_what_pays_at_each_batch_size():
-    stats = AcceptanceStats(num_positions=4, prior_weight=1e-9)
-    stats.accepted[:] = [0.9, 0.8, 0.6, 0.4]
-    stats.proposed[:] = 1.0
+    stats = _seen([90, 80, 60, 40])
     policy = DraftPolicy(4, TABLE, stats, margin=0.03)
     # E = 1.9, 2.7, 3.3, 3.7 tokens for k = 1..4.
     assert policy.draft_length(1) == 4  # 3.7 / 1.3
@@ -142,11 +160,12 @@ def test_policy_drafts_what_pays_at_each_batch_size():
     assert policy.draft_length(64) == 0  # nothing beats plain by the margin
     # The default margin also covers a speculating engine's own overhead: 1.06x is not a gain.
     assert DraftPolicy(4, TABLE, stats).draft_length(32) == 0
-    stats.accepted[:] = [0.1, 0.0, 0.0, 0.0]  # a checkpoint that does not fit the traffic
+    stats.accepted[:] = [10, 0, 0, 0]  # a checkpoint that does not fit the traffic
+    stats.tried[:] = [100, 10, 0, 0]
     got = [policy.draft_length(1) for _ in range(2 * policy.probe_every)]
     # Off, but one step in probe_every probes with the prior's choice (old evidence halved).
     assert got.count(0) == 2 * policy.probe_every - 2 and got[policy.probe_every - 1] == 4
-    assert stats.proposed[0] == 0.25
+    assert stats.proposed[0] == 25 and stats.tried[0] == 25  # halved at each probe
 
 
 def test_lookup_length_carries_the_last_entry():
