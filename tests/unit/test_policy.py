@@ -79,6 +79,15 @@ def test_every_cpu_class_gets_a_table():
     assert cpu_class(frozenset({"avx512f", "amx_bf16"})) == "avx512_bf16"
 
 
+def test_measured_tables_never_price_more_drafts_cheaper():
+    for (cls, placement), table in TABLES.items():
+        assert table.cpu_class == cls
+        for b, _ in enumerate(table.batch_sizes):
+            row = [table.ratios[k][b] for k in sorted(table.ratios)]
+            assert row == sorted(row), (cls, placement, table.batch_sizes[b])
+            assert row[0] > 1.0
+
+
 def test_acceptance_stats_count_what_vllm_kept():
     stats = AcceptanceStats(num_positions=3, decay=1.0, prior_weight=1e-9)
     stats.record_proposed([[1, 2, 3], [4, 5], [], [6, 7, 8]])
