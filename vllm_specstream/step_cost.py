@@ -100,6 +100,12 @@ _AVX512_BF16_SOURCE = (
     "0.95-1.00) --ks 1,2,3,4 --batch-sizes 1,4,16,32 --max-tokens 24 --placement {placement}"
 )
 
+_AVX512_EMULATED_SOURCE = (
+    "emulated: the Zen 4 CPU of the avx512_bf16 tables with oneDNN limited to AVX-512 without "
+    "bf16 or VNNI (ONEDNN_MAX_CPU_ISA=AVX512_CORE; vLLM's fp32 attention kernels are the "
+    "same on both classes), otherwise as measured there --placement window"
+)
+
 #: Measured tables per (CPU class, placement) (``benchmarks/results/step-cost/``), made
 #: non-decreasing in k (more drafts never cost less): the AVX2 ones keep each cell's fastest
 #: round and raise a cell below the one before it; the interleaved AVX-512 ones lower a cell
@@ -149,13 +155,25 @@ TABLES: dict[tuple[str, str], StepCostTable] = {
         },
         source=_AVX512_BF16_SOURCE.format(placement="window"),
     ),
+    ("avx512", "window"): StepCostTable(
+        cpu_class="avx512",
+        batch_sizes=(1, 4, 16, 32),
+        ratios={
+            1: (1.23, 1.72, 2.82, 2.99),
+            2: (1.23, 2.45, 4.10, 4.53),
+            3: (1.34, 2.98, 5.33, 6.16),
+            4: (1.77, 3.82, 6.80, 8.18),
+        },
+        source=_AVX512_EMULATED_SOURCE,
+    ),
 }
 
 
 def table_for(placement: str, cls: str | None = None) -> tuple[StepCostTable, str]:
     """The table for ``placement`` on CPU class ``cls`` (default: this CPU's) and a note
-    when it is another class's (the AVX2 one, for AVX-512 without native bf16, not measured
-    yet: extra rows cost AVX2 the most, so the policy errs toward drafting less)."""
+    when it is another class's (the AVX2 one, for ``accepted`` on AVX-512 without native
+    bf16, not measured yet: extra rows cost AVX2 the most, so the policy errs toward
+    drafting less)."""
     cls = cls or cpu_class()
     if (cls, placement) in TABLES:
         return TABLES[cls, placement], ""
