@@ -106,66 +106,65 @@ _AVX512_EMULATED_SOURCE = (
     "same on both classes), otherwise as measured there --placement window"
 )
 
-#: Measured tables per (CPU class, placement) (``benchmarks/results/step-cost/``), made
-#: non-decreasing in k (more drafts never cost less): the AVX2 ones keep each cell's fastest
-#: round and raise a cell below the one before it; the interleaved AVX-512 ones lower a cell
-#: above a longer draft's (a step with more drafts does all a shorter one does, so its
-#: median bounds the shorter one's).
-TABLES: dict[tuple[str, str], StepCostTable] = {
-    ("avx2", "accepted"): StepCostTable(
-        cpu_class="avx2",
-        batch_sizes=(1, 4, 16, 32),
-        ratios={
+#: Batch sizes every table below was measured at.
+_BATCH_SIZES = (1, 4, 16, 32)
+
+#: (CPU class, placement) -> (draft length -> cost ratio per batch size, source), from
+#: ``benchmarks/results/step-cost/``, made non-decreasing in k (more drafts never cost less):
+#: the AVX2 ones keep each cell's fastest round and raise a cell below the one before it;
+#: the interleaved AVX-512 ones lower a cell above a longer draft's (a step with more drafts
+#: does all a shorter one does, so its median bounds the shorter one's).
+_MEASURED: dict[tuple[str, str], tuple[dict[int, tuple[float, ...]], str]] = {
+    ("avx2", "accepted"): (
+        {
             1: (1.58, 1.68, 2.16, 2.51),
             2: (1.72, 1.88, 2.83, 3.55),
             3: (1.72, 2.16, 3.47, 4.13),
             4: (2.01, 2.26, 3.67, 4.50),
         },
-        source=_AVX2_SOURCE.format(placement="accepted") + " --rounds 2",
+        _AVX2_SOURCE.format(placement="accepted") + " --rounds 2",
     ),
-    ("avx2", "window"): StepCostTable(
-        cpu_class="avx2",
-        batch_sizes=(1, 4, 16, 32),
-        ratios={
+    ("avx2", "window"): (
+        {
             1: (1.45, 1.73, 2.29, 2.53),
             2: (1.45, 2.12, 3.64, 4.38),
             4: (2.06, 4.24, 8.20, 12.16),
         },
-        source=_AVX2_SOURCE.format(placement="window") + " --ks 1,2,4 --rounds 1",
+        _AVX2_SOURCE.format(placement="window") + " --ks 1,2,4 --rounds 1",
     ),
-    ("avx512_bf16", "accepted"): StepCostTable(
-        cpu_class="avx512_bf16",
-        batch_sizes=(1, 4, 16, 32),
-        ratios={
+    ("avx512_bf16", "accepted"): (
+        {
             1: (1.20, 1.58, 2.08, 2.36),
             2: (1.20, 1.81, 2.88, 3.10),
             3: (1.20, 2.07, 3.34, 3.85),
             4: (1.20, 2.36, 3.98, 4.51),
         },
-        source=_AVX512_BF16_SOURCE.format(placement="accepted"),
+        _AVX512_BF16_SOURCE.format(placement="accepted"),
     ),
-    ("avx512_bf16", "window"): StepCostTable(
-        cpu_class="avx512_bf16",
-        batch_sizes=(1, 4, 16, 32),
-        ratios={
+    ("avx512_bf16", "window"): (
+        {
             1: (1.07, 1.50, 2.23, 2.50),
             2: (1.07, 1.81, 3.31, 3.69),
             3: (1.16, 2.25, 4.21, 5.04),
             4: (1.25, 2.78, 5.70, 6.72),
         },
-        source=_AVX512_BF16_SOURCE.format(placement="window"),
+        _AVX512_BF16_SOURCE.format(placement="window"),
     ),
-    ("avx512", "window"): StepCostTable(
-        cpu_class="avx512",
-        batch_sizes=(1, 4, 16, 32),
-        ratios={
+    ("avx512", "window"): (
+        {
             1: (1.23, 1.72, 2.82, 2.99),
             2: (1.23, 2.45, 4.10, 4.53),
             3: (1.34, 2.98, 5.33, 6.16),
             4: (1.77, 3.82, 6.80, 8.18),
         },
-        source=_AVX512_EMULATED_SOURCE,
+        _AVX512_EMULATED_SOURCE,
     ),
+}
+
+#: The measured tables per (CPU class, placement).
+TABLES: dict[tuple[str, str], StepCostTable] = {
+    (cls, placement): StepCostTable(cls, _BATCH_SIZES, ratios, source)
+    for (cls, placement), (ratios, source) in _MEASURED.items()
 }
 
 
