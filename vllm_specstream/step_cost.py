@@ -103,7 +103,7 @@ _AVX512_BF16_SOURCE = (
 _AVX512_EMULATED_SOURCE = (
     "emulated: the Zen 4 CPU of the avx512_bf16 tables with oneDNN limited to AVX-512 without "
     "bf16 or VNNI (ONEDNN_MAX_CPU_ISA=AVX512_CORE; vLLM's fp32 attention kernels are the "
-    "same on both classes), otherwise as measured there --placement window"
+    "same on both classes), otherwise as measured there --placement {placement}"
 )
 
 #: Batch sizes every table below was measured at.
@@ -157,7 +157,16 @@ _MEASURED: dict[tuple[str, str], tuple[dict[int, tuple[float, ...]], str]] = {
             3: (1.34, 2.98, 5.33, 6.16),
             4: (1.77, 3.82, 6.80, 8.18),
         },
-        _AVX512_EMULATED_SOURCE,
+        _AVX512_EMULATED_SOURCE.format(placement="window"),
+    ),
+    ("avx512", "accepted"): (
+        {
+            1: (1.30, 2.08, 2.66, 2.93),
+            2: (1.30, 2.42, 3.87, 4.18),
+            3: (1.39, 2.78, 4.67, 5.27),
+            4: (1.79, 3.37, 5.48, 6.45),
+        },
+        _AVX512_EMULATED_SOURCE.format(placement="accepted"),
     ),
 }
 
@@ -170,9 +179,8 @@ TABLES: dict[tuple[str, str], StepCostTable] = {
 
 def table_for(placement: str, cls: str | None = None) -> tuple[StepCostTable, str]:
     """The table for ``placement`` on CPU class ``cls`` (default: this CPU's) and a note
-    when it is another class's (the AVX2 one, for ``accepted`` on AVX-512 without native
-    bf16, not measured yet: extra rows cost AVX2 the most, so the policy errs toward
-    drafting less)."""
+    when it is another class's (the AVX2 one, for a class without tables: extra rows cost
+    AVX2 the most, so the policy errs toward drafting less)."""
     cls = cls or cpu_class()
     if (cls, placement) in TABLES:
         return TABLES[cls, placement], ""
