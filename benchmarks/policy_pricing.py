@@ -26,7 +26,7 @@ def window_policy(k_max: int = 4) -> DraftPolicy:
     policy = DraftPolicy(k_max, None, AcceptanceStats(k_max))
     policy.anchored = tuple(AnchoredChain(k) for k in range(1, k_max + 1))
     policy.cost = MeasuredCost(
-        table_for("window", "avx2")[0], anchored_table=table_for("accepted", "avx2")[0]
+        table_for("window", "avx2"), anchored_table=table_for("accepted", "avx2")
     )
     return policy
 

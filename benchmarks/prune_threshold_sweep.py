@@ -71,10 +71,9 @@ def sweep(args: argparse.Namespace, done: dict[float, dict]) -> dict:
 
 
 def estimate(result: dict, nodes: int, batch_sizes: list[int], placement: str) -> list[dict]:
-    from vllm_specstream.machine import cpu_class
     from vllm_specstream.step_cost import table_for
 
-    table, _ = table_for(placement, cpu_class())
+    table = table_for(placement)
     lp, layers = result["prune_layer"]
     below = lp / layers
     out = []

@@ -187,11 +187,11 @@ class SpecStreamProposer:
                 trees=tree_choices(self.tree.num_nodes, chain, prunes),
             )
         if self.policy is not None and self.policy.cost is None:
-            table, note = table_for(placement)
+            table = table_for(placement)
             anchored = None
             if target_model.placement == "window":
                 # Each chain also with its streams at the anchors after the step.
-                anchored, _ = table_for("accepted")
+                anchored = table_for("accepted")
                 self.policy.anchored = tuple(AnchoredChain(k) for k in range(1, self.k + 1))
             self.policy.cost = MeasuredCost(
                 table,
@@ -201,12 +201,11 @@ class SpecStreamProposer:
             )
             logger.info(
                 "specstream drafts up to %d per request, as many as pay on this CPU (placement "
-                "%s, step cost table: %s%s%s; set num_speculative_tokens_per_batch_size to fix "
+                "%s, step cost table: %s%s; set num_speculative_tokens_per_batch_size to fix "
                 "the schedule)",
                 self.k,
                 placement,
                 table.cpu_class,
-                f"; {note}" if note else "",
                 ""
                 if self.tp_size == 1
                 else "; not corrected by timed steps under tensor parallelism: every rank "

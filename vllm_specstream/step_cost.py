@@ -177,11 +177,7 @@ TABLES: dict[tuple[str, str], StepCostTable] = {
 }
 
 
-def table_for(placement: str, cls: str | None = None) -> tuple[StepCostTable, str]:
-    """The table for ``placement`` on CPU class ``cls`` (default: this CPU's) and a note
-    when it is another class's (the AVX2 one, for a class without tables: extra rows cost
-    AVX2 the most, so the policy errs toward drafting less)."""
-    cls = cls or cpu_class()
-    if (cls, placement) in TABLES:
-        return TABLES[cls, placement], ""
-    return TABLES["avx2", placement], f"no step-cost table for {cls} CPUs yet; using the avx2 one"
+def table_for(placement: str, cls: str | None = None) -> StepCostTable:
+    """The table for ``placement`` on CPU class ``cls`` (default: this CPU's); every class
+    of :data:`vllm_specstream.machine.CPU_CLASSES` has one per placement."""
+    return TABLES[cls or cpu_class(), placement]

@@ -71,9 +71,9 @@ def test_step_cost_interpolates_in_batch_size_and_draft_length():
 def test_every_cpu_class_gets_a_table():
     for cls in ("avx2", "avx512", "avx512_bf16"):
         for placement in ("window", "accepted"):
-            table, note = table_for(placement, cls)
+            table = table_for(placement, cls)
             assert table.ratio(1, 1) > 1.0
-            assert (note == "") == ((cls, placement) in TABLES)
+            assert table is TABLES[cls, placement] and table.cpu_class == cls
     assert cpu_class(frozenset({"avx2"})) == "avx2"
     assert cpu_class(frozenset({"avx2", "avx512f"})) == "avx512"
     assert cpu_class(frozenset({"avx512f", "amx_bf16"})) == "avx512_bf16"
@@ -82,9 +82,9 @@ def test_every_cpu_class_gets_a_table():
 def test_measured_tables_never_price_more_drafts_cheaper():
     for (cls, placement), table in TABLES.items():
         assert table.cpu_class == cls
-        for b, _ in enumerate(table.batch_sizes):
+        for b, size in enumerate(table.batch_sizes):
             row = [table.ratios[k][b] for k in sorted(table.ratios)]
-            assert row == sorted(row), (cls, placement, table.batch_sizes[b])
+            assert row == sorted(row), (cls, placement, size)
             assert row[0] > 1.0
 
 
@@ -448,8 +448,8 @@ def test_window_engine_drafts_from_the_anchors_where_window_streams_are_dear():
     # streams are the cheaper for 2 drafts; at batch 4, 4 drafts cost 4.24 plain steps with
     # window streams (4 streams at 5 positions), 2.26 at the anchors: without anchored chains
     # no length beats plain decoding by the margin there.
-    window, _ = table_for("window", "avx2")
-    accepted, _ = table_for("accepted", "avx2")
+    window = table_for("window", "avx2")
+    accepted = table_for("accepted", "avx2")
     stats = _seen([78, 62, 48, 41])
     anchored = tuple(AnchoredChain(k) for k in range(1, 5))
     policy = DraftPolicy(4, MeasuredCost(window, anchored_table=accepted), stats, anchored=anchored)
@@ -468,8 +468,8 @@ def test_window_streams_of_a_forward_that_requests_joined_follow_its_batch_size(
     # streams then), nothing at 16. A forward of no more requests keeps the streams chosen.
     from vllm_specstream.model_executor.specstream import SpecStreamMixin
 
-    window, _ = table_for("window", "avx2")
-    accepted, _ = table_for("accepted", "avx2")
+    window = table_for("window", "avx2")
+    accepted = table_for("accepted", "avx2")
     proposer = SpecStreamProposer(_vllm_config(4))
     target = _WindowTarget(1, streams=4)
     proposer.load_model(target)
@@ -500,8 +500,8 @@ def test_window_streams_of_a_forward_that_requests_joined_follow_its_batch_size(
 def _dialogsum_window_engine(anchored_s: float) -> DraftPolicy:
     """A window engine's policy with the step times of DialogSum at batch 1 on AVX2 (plain
     56.4 ms, 2 window drafts 90.7 ms) and anchored chains at ``anchored_s``; no entry timed."""
-    window, _ = table_for("window", "avx2")
-    accepted, _ = table_for("accepted", "avx2")
+    window = table_for("window", "avx2")
+    accepted = table_for("accepted", "avx2")
     cost = MeasuredCost(window, anchored_table=accepted, min_samples=2)
     times = {0: 0.0564, 1: 0.080, 2: 0.0907, 3: 0.100, 4: 0.110}
     times |= {AnchoredChain(k): anchored_s for k in range(1, 5)}
@@ -729,7 +729,7 @@ def test_step_cost_beyond_the_largest_k_follows_the_measured_trend():
     assert DEAR_ROWS.ratio(1, 8) == pytest.approx(2.6)
     # The avx2 table: 16 rows at batch 1 / 16, against the 3.7 / 6.9 plain steps that
     # top-2 trees of 16 nodes cost on E2E there (a proportional share said 8.0 / 14.7).
-    avx2, _ = table_for("accepted", "avx2")
+    avx2 = table_for("accepted", "avx2")
     assert avx2.ratio(1, 16) == pytest.approx(3.73, abs=0.01)
     assert avx2.ratio(16, 16) == pytest.approx(9.71, abs=0.01)
     one = StepCostTable("test", (1,), {2: (1.5,)}, "test")
