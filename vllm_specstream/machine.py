@@ -29,14 +29,35 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     return model or platform.processor() or platform.machine(), flags
 
 
-def cpu_class(flags: frozenset[str] | None = None) -> str:
-    """One of :data:`CPU_CLASSES` for ``flags`` (default: this CPU's)."""
-    flags = cpu_info()[1] if flags is None else flags
+#: oneDNN's ``ONEDNN_MAX_CPU_ISA`` values that cap the class below what the CPU has: the
+#: GEMMs (vLLM's CPU linear layers are oneDNN's) then run as on a CPU of that class, bf16
+#: ones included (none below AVX-512). Values not named cap nothing (``ALL``, ``DEFAULT``,
+#: ``AVX512_CORE_BF16`` and the AMX/AVX10 ones above it).
+ONEDNN_ISA_CAPS = {
+    "SSE41": "avx2",
+    "AVX": "avx2",
+    "AVX2": "avx2",
+    "AVX2_VNNI": "avx2",
+    "AVX2_VNNI_2": "avx2",
+    "AVX512_CORE": "avx512",
+    "AVX512_CORE_VNNI": "avx512",
+}
+
+
+def cpu_class(flags: frozenset[str] | None = None, onednn_max_isa: str | None = None) -> str:
+    """One of :data:`CPU_CLASSES` for ``flags`` capped by ``onednn_max_isa`` (default: this
+    CPU's flags capped by the ``ONEDNN_MAX_CPU_ISA`` it runs under)."""
+    if flags is None:
+        flags = cpu_info()[1]
+        onednn_max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
     if "avx512f" not in flags:
-        return "avx2"
-    if {"avx512_bf16", "amx_bf16"} & flags:
-        return "avx512_bf16"
-    return "avx512"
+        cls = "avx2"
+    elif {"avx512_bf16", "amx_bf16"} & flags:
+        cls = "avx512_bf16"
+    else:
+        cls = "avx512"
+    cap = ONEDNN_ISA_CAPS.get((onednn_max_isa or "").strip().upper(), cls)
+    return min(cls, cap, key=CPU_CLASSES.index)
 
 
 def describe_machine() -> str:
@@ -50,4 +71,9 @@ def describe_machine() -> str:
     except (OSError, ValueError, IndexError):
         pass
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model}, {os.cpu_count()} cores{mem}" + (f", {'/'.join(isa)}" if isa else "")
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return (
+        f"{model}, {os.cpu_count()} cores{mem}"
+        + (f", {'/'.join(isa)}" if isa else "")
+        + (f" (ONEDNN_MAX_CPU_ISA={limit}: class {cpu_class()})" if limit else "")
+    )

@@ -168,8 +168,10 @@ class SpecStreamProposer:
                 f"the specstream proposer needs a SpecStreamForCausalLM checkpoint, got "
                 f"{type(target_model).__name__}; export one with `specstream export --merge`"
             )
-        placement = self.placement or target_model.default_placement()
-        target_model.set_placement(placement)
+        target_model.set_placement(self.placement or target_model.default_placement())
+        # What the model runs, not what was asked: draft trees run `accepted` whatever the
+        # option says, and their chains are priced with that placement's table.
+        placement = target_model.placement
         self.target = target_model
         self.tree = getattr(target_model, "tree", None)
         if target_model.placement == "window" and self.tree is None:
@@ -189,7 +191,7 @@ class SpecStreamProposer:
         if self.policy is not None and self.policy.cost is None:
             table = table_for(placement)
             anchored = None
-            if target_model.placement == "window":
+            if placement == "window":
                 # Each chain also with its streams at the anchors after the step.
                 anchored = table_for("accepted")
                 self.policy.anchored = tuple(AnchoredChain(k) for k in range(1, self.k + 1))

@@ -79,6 +79,22 @@ def test_every_cpu_class_gets_a_table():
     assert cpu_class(frozenset({"avx512f", "amx_bf16"})) == "avx512_bf16"
 
 
+def test_onednn_isa_limit_caps_the_cpu_class(monkeypatch):
+    # ONEDNN_MAX_CPU_ISA makes vLLM's GEMMs run as on a lesser CPU: the tables, the bf16
+    # advice and the stream pass's bf16 copies follow it; it never raises the class.
+    bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    assert cpu_class(bf16, "AVX512_CORE") == "avx512"
+    assert cpu_class(bf16, "avx2") == "avx2"
+    assert cpu_class(bf16, "AVX512_CORE_BF16") == cpu_class(bf16, "ALL") == "avx512_bf16"
+    assert cpu_class(frozenset({"avx2"}), "AVX512_CORE") == "avx2"
+    assert cpu_class(bf16, None) == "avx512_bf16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_class() == "avx2" and table_for("window").cpu_class == "avx2"
+    from vllm_specstream.preflight import dtype_advice
+
+    assert dtype_advice("bfloat16", "auto")[0] == "float32"
+
+
 def test_measured_tables_never_price_more_drafts_cheaper():
     for (cls, placement), table in TABLES.items():
         assert table.cpu_class == cls
@@ -779,6 +795,12 @@ class _TreeTarget(_Target):
         self.prune_trees = True
         self.stash.draft_topk = TOPK.expand(n, 4, 2)
 
+    def default_placement(self):
+        return "window"  # an eager model's default
+
+    def set_placement(self, placement):
+        self.placement = "accepted"  # as the model: trees run the streams at the anchors
+
 
 @pytest.fixture
 def tree_rows(monkeypatch):
@@ -811,6 +833,18 @@ def _tree_proposer(vllm_config):
         return proposer.propose(sampled, np.full(2, 7), None)
 
     return proposer, propose
+
+
+def test_tree_engine_prices_its_chains_with_the_placement_it_runs(tree_rows):
+    # An eager tree engine asked for the default (window) placement runs `accepted`: its
+    # chains cost what the accepted table says, and no window-only choice is offered.
+    from vllm_specstream.step_cost import table_for
+
+    proposer, _ = _tree_proposer(_vllm_config(8))
+    assert proposer.target.placement == "accepted"
+    assert proposer.policy.cost.table is table_for("accepted")
+    assert table_for("accepted") is not table_for("window")
+    assert proposer.policy.cost.anchored_table is None and not proposer.policy.anchored
 
 
 def test_tree_engine_schedule_gives_node_counts_beyond_the_chain(tree_rows):

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from vllm_specstream.logger import init_logger
+from vllm_specstream.machine import cpu_class
 from vllm_specstream.options import ENV_STREAM_DTYPE
 
 logger = init_logger(__name__)
@@ -40,10 +41,9 @@ Matmul = Callable[[Tensor], Tensor]
 
 
 def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bf16 natively (else oneDNN emulates it, slower than fp32)."""
-    cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    """Whether this CPU multiplies bf16 natively (else oneDNN emulates it, slower than fp32),
+    as oneDNN is allowed to (``ONEDNN_MAX_CPU_ISA``)."""
+    return cpu_class() == "avx512_bf16"
 
 
 def onednn_available() -> bool:
