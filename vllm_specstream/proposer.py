@@ -174,7 +174,7 @@ class SpecStreamProposer:
         placement = target_model.placement
         self.target = target_model
         self.tree = getattr(target_model, "tree", None)
-        if target_model.placement == "window" and self.tree is None:
+        if placement == "window" and self.tree is None:
             target_model.window_streams_at = self.window_streams_at
         if self.tree is not None and self.policy is not None:
             # Chains of up to num_streams drafts, or a tree: a prefix of the template of
