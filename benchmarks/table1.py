@@ -3,13 +3,17 @@ method (speedup at batch 1, call reduction, task metric, extra parameters), besi
 paper's OPT-1.3b call reductions, as Markdown and a plot.
 
 Reads, per task, the ``bench.json`` of one ``specstream bench`` run under
-``benchmarks/results/<task>/`` (:attr:`Task.bench`: the run with the engine on both cores
-where there is one) and the ``eval-<model>.json`` files of ``specstream eval`` on the same
+``benchmarks/results/<task>/`` (:attr:`Task.runs`: per CPU class, the run with the engine on
+both cores and every method beside specstream) and the ``eval-<model>.json`` files of ``specstream eval`` on the same
 validation split, from the bench run's directory or else the task's:
 ``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
 ``eval-ntp.json`` (the next-token LoRA baseline's metric). Missing files give missing rows.
 
-    .venv/bin/python benchmarks/table1.py [--results benchmarks/results] [--out DIR]
+    .venv/bin/python benchmarks/table1.py [--cpu-class avx2|avx512_bf16]
+        [--results benchmarks/results] [--out DIR]
+
+The AVX2 table is ``table1.md`` / ``table1.png``; another class's has the class in its name
+(``table1-avx512_bf16.md``).
 """
 
 from __future__ import annotations
@@ -33,25 +37,42 @@ class Task:
     """Keys of the eval JSON, in the order shown."""
     paper_cr: float
     """The paper's call reduction for OPT-1.3b with tree drafts (its Table 1)."""
-    bench: str = "bench.json"
-    """The bench run of the table, relative to the task's results directory."""
+    runs: tuple[tuple[str, str], ...] = (("avx2", "bench.json"),)
+    """``(CPU class, bench run)`` pairs: the run of each class's table, relative to the task's
+    results directory."""
+    evals: str = ""
+    """Where the served adapter's evaluations are (relative to the task's directory; they hold
+    on every CPU), read where its bench run has none beside it."""
 
+    def bench(self, cpu_class: str) -> str | None:
+        return dict(self.runs).get(cpu_class)
+
+
+#: The CPU classes with a table (the first: ``table1.md``).
+CPU_CLASSES = ("avx2", "avx512_bf16")
 
 TASKS = (
-    Task("sql", "SQL (Spider, unseen database)", ("exact_match",), 3.57, "nobind/bench.json"),
+    Task(
+        "sql",
+        "SQL (Spider, unseen database)",
+        ("exact_match",),
+        3.57,
+        (("avx2", "nobind/bench.json"), ("avx512_bf16", "avx512_bf16/methods/bench.json")),
+    ),
     Task(
         "e2e",
         "E2E NLG (unseen MRs)",
         ("rouge1", "rougeLsum"),
         3.72,
-        "ss4/bench.json",
+        (("avx2", "ss4/bench.json"), ("avx512_bf16", "avx512_bf16/medusa/bench.json")),
+        evals="ss4",
     ),
     Task(
         "dialogsum",
         "DialogSum (unseen dialogues)",
         ("rouge1", "rougeLsum"),
         2.62,
-        "nobind/bench.json",
+        (("avx2", "nobind/bench.json"), ("avx512_bf16", "avx512_bf16/methods/bench.json")),
     ),
 )
 #: Methods of ``specstream bench``, in the order of the table (``plain-control``: a second
@@ -77,13 +98,18 @@ def _row(task: Task, method: str, metric: str = "-", **measured) -> dict:
     }
 
 
-def task_rows(task: Task, results: Path) -> list[dict]:
-    """The table's rows for ``task``: vLLM methods at batch 1, then the reference decoder."""
-    bench = _read(results / task.name / task.bench)
-    if bench is None:  # an earlier run in the task's directory itself
+def task_rows(task: Task, results: Path, cpu_class: str = CPU_CLASSES[0]) -> list[dict]:
+    """The table's rows for ``task`` on ``cpu_class``: vLLM methods at batch 1, then the
+    reference decoder."""
+    run = task.bench(cpu_class)
+    if run is None:
+        return []
+    bench = _read(results / task.name / run)
+    if bench is None and cpu_class == CPU_CLASSES[0]:  # an earlier run in the task's directory
         bench = _read(results / task.name / "bench.json")
     # The evaluations of the adapter the bench ran: beside its bench.json, else the task's.
-    dirs = (results / task.name / Path(task.bench).parent, results / task.name)
+    here = results / task.name
+    dirs = (here / Path(run).parent, here / task.evals, here)
     spec_eval = next(filter(None, (_read(d / "eval-specstream.json") for d in dirs)), None)
     ntp_eval = next(filter(None, (_read(d / "eval-ntp.json") for d in dirs)), None)
     by_method = {
@@ -156,7 +182,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, machine: str = "") -> None:
     """Batch-1 speedup per task and method (bars), call reduction written on each bar."""
     import matplotlib
 
@@ -183,7 +209,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(tasks)), [t.split(" (")[0] for t in tasks])
     ax.set_ylabel("speedup over plain vLLM, batch 1")
-    ax.set_title("Table 1 on real data (numbers: CR ratio)", size=10)
+    ax.set_title(f"Table 1 on real data{machine} (numbers: CR ratio)", size=10)
     ax.legend(fontsize=8, ncol=len(methods), loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -192,17 +218,24 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cpu-class",
+        choices=CPU_CLASSES,
+        default=CPU_CLASSES[0],
+        help="whose bench runs make the table (each task's run on a CPU of that class)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="table1.md and table1.png")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="table1[-CLASS].md and .png")
     args = parser.parse_args()
-    rows = [row for task in TASKS for row in task_rows(task, args.results)]
+    rows = [row for task in TASKS for row in task_rows(task, args.results, args.cpu_class)]
     if not rows:
-        raise SystemExit(f"{args.results}: no <task>/bench.json or eval-*.json files")
+        raise SystemExit(f"{args.results}: no bench runs or eval-*.json files for {args.cpu_class}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "table1.md").write_text(markdown(rows))
-    plot(rows, args.out / "table1.png")
+    name = "table1" if args.cpu_class == CPU_CLASSES[0] else f"table1-{args.cpu_class}"
+    (args.out / f"{name}.md").write_text(markdown(rows))
+    plot(rows, args.out / f"{name}.png", f", {args.cpu_class}")
     print(markdown(rows), end="")
-    print(f"wrote {args.out / 'table1.md'} and {args.out / 'table1.png'}")
+    print(f"wrote {args.out / name}.md and {args.out / name}.png")
 
 
 if __name__ == "__main__":

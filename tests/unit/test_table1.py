@@ -44,7 +44,7 @@ def _eval(rouge1: float, chain: float) -> dict:
 
 
 def test_evaluations_beside_the_bench_run_win_over_the_tasks(table1, tmp_path):
-    task = table1.Task("e2e", "E2E", ("rouge1", "rougeLsum"), 3.72, "run/bench.json")
+    task = table1.Task("e2e", "E2E", ("rouge1", "rougeLsum"), 3.72, (("avx2", "run/bench.json"),))
     rows = [_bench_row("plain"), _bench_row("specstream", speedup=1.6), _bench_row("ngram", 4)]
     _write(tmp_path / "e2e" / "run" / "bench.json", {"rows": rows})
     _write(tmp_path / "e2e" / "eval-specstream.json", _eval(80.0, 2.2))
@@ -65,3 +65,31 @@ def test_evaluations_beside_the_bench_run_win_over_the_tasks(table1, tmp_path):
 
 def test_a_task_without_results_has_no_rows(table1, tmp_path):
     assert table1.task_rows(table1.TASKS[0], tmp_path) == []
+
+
+def test_each_cpu_class_reads_its_own_run(table1, tmp_path):
+    runs = (("avx2", "a/bench.json"), ("avx512_bf16", "b/bench.json"))
+    task = table1.Task("sql", "SQL", ("exact_match",), 3.57, runs)
+    _write(tmp_path / "sql" / "a" / "bench.json", {"rows": [_bench_row("specstream", speedup=0.9)]})
+    _write(tmp_path / "sql" / "b" / "bench.json", {"rows": [_bench_row("specstream", speedup=1.2)]})
+
+    def speedup(cpu_class):
+        rows = table1.task_rows(task, tmp_path, cpu_class)
+        return next(r["speedup"] for r in rows if r["method"] == "specstream")
+
+    assert speedup("avx2") == 0.9 and speedup("avx512_bf16") == 1.2
+    # a class without a run of its own has no rows (never another class's numbers)
+    only_avx2 = table1.Task("sql", "SQL", ("exact_match",), 3.57, runs[:1])
+    assert table1.task_rows(only_avx2, tmp_path, "avx512_bf16") == []
+
+
+def test_the_adapters_evaluations_serve_every_class(table1, tmp_path):
+    runs = (("avx2", "a/bench.json"), ("avx512_bf16", "b/bench.json"))
+    task = table1.Task("e2e", "E2E", ("rouge1", "rougeLsum"), 3.72, runs, evals="a")
+    for run in ("a", "b"):
+        _write(tmp_path / "e2e" / run / "bench.json", {"rows": [_bench_row("specstream")]})
+    _write(tmp_path / "e2e" / "a" / "eval-specstream.json", _eval(85.0, 3.29))
+    _write(tmp_path / "e2e" / "eval-specstream.json", _eval(82.7, 2.23))  # an older adapter's
+
+    rows = {r["method"]: r for r in table1.task_rows(task, tmp_path, "avx512_bf16")}
+    assert rows["specstream"]["metric"] == "85.0 / 80.0"
