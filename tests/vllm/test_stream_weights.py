@@ -96,3 +96,40 @@ def test_forced_bf16_falls_back_with_one_warning_where_it_cannot_run(monkeypatch
     assert len(warnings) == 1, caplog.text
     assert f"{ENV_STREAM_DTYPE}=bfloat16 cannot be honoured" in warnings[0].getMessage()
     assert "no bf16 GEMM" in warnings[0].getMessage()
+
+
+def test_vllm_has_the_fused_rms_norm_the_stream_pass_calls():
+    """The stream pass's norms call ``vllm._custom_ops.rms_norm(out, x, weight, eps)``; if a
+    vLLM release drops or renames it, the pass would quietly fall back to PyTorch's slower
+    norm: fail here instead."""
+    from vllm import _custom_ops as ops
+
+    from vllm_specstream.model_executor.stream_weights import _rms_norm_kernel
+
+    assert callable(getattr(ops, "rms_norm", None))
+    assert _rms_norm_kernel(torch.float32) is ops.rms_norm  # fp32 rows: every CPU build
+    x, w, out = torch.randn(3, 64), torch.randn(64), torch.empty(3, 64)
+    ops.rms_norm(out, x, w, 1e-6)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (64,), w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 576), (2, 5, 576), (0, 576)])
+def test_fused_rms_norm_matches_pytorchs(dtype, shape):
+    from vllm_specstream.model_executor.stream_weights import fused_rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=dtype)
+    weight = torch.randn(576)  # the model's (fp32) weight, whatever the rows' dtype
+    got = fused_rms_norm(x, weight, 1e-5)
+    want = torch.nn.functional.rms_norm(x, (576,), weight.to(dtype), 1e-5)
+    assert got.shape == x.shape and got.dtype == dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
+    # a non-contiguous view of the rows gives the same as its contiguous copy
+    if x.dim() == 2 and x.shape[0] > 1:
+        wide = torch.randn(shape[0], 2 * shape[1], dtype=dtype)
+        view = wide[:, ::2]
+        torch.testing.assert_close(
+            fused_rms_norm(view, weight, 1e-5), fused_rms_norm(view.contiguous(), weight, 1e-5)
+        )

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm_specstream.config import ConfigError, SpecStreamConfig
@@ -28,7 +27,7 @@ from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.lora_streams import StreamLoRA, first_lora_module
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stream_lora import StreamLoRAWeights
-from vllm_specstream.model_executor.stream_weights import StreamWeights
+from vllm_specstream.model_executor.stream_weights import StreamWeights, fused_rms_norm
 from vllm_specstream.stream_layer import StreamLayer, run_layer, stream_layer
 from vllm_specstream.stream_math import (
     anchor_main_mask,
@@ -103,8 +102,9 @@ class StreamParams(nn.Module):
 
 
 def rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
-    """vLLM's ``RMSNorm`` module (weight, ``variance_epsilon``) as one fused call."""
-    return F.rms_norm(x, (x.shape[-1],), norm.weight.to(x.dtype), norm.variance_epsilon)
+    """vLLM's ``RMSNorm`` module (weight, ``variance_epsilon``) as one fused call (not the
+    module itself: the fused pass wraps the first MSA layer's input norm)."""
+    return fused_rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
 @dataclass

@@ -16,9 +16,9 @@ over 4 stream rows drops from ~4.6 to ~1.9 ms on a Zen 4 core.
   an AVX2-only CPU oneDNN has no bf16 matmul at all), the stream pass keeps vLLM's modules
   and says so once in a warning.
 
-This module is the one touch point with vLLM's CPU GEMM ops (``vllm._custom_ops``:
-``create_onednn_mm`` / ``onednn_mm``); ``tests/vllm/test_stream_weights.py`` fails when they
-change.
+This module is the one touch point with vLLM's CPU kernels that the stream pass calls
+directly (``vllm._custom_ops``: the GEMM ops ``create_onednn_mm`` / ``onednn_mm`` and the
+fused ``rms_norm``); ``tests/vllm/test_stream_weights.py`` fails when they change.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vllm_specstream.logger import init_logger
@@ -69,6 +70,47 @@ def bf16_gemm_available() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+@cache
+def _rms_norm_kernel(dtype: torch.dtype) -> Callable | None:
+    """vLLM's fused CPU ``rms_norm(out, x, weight, eps)`` for rows of ``dtype``, or None where
+    this vLLM has none or this CPU's build of it does not take ``dtype`` (one tiny call is
+    the probe, as for the GEMM)."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None
+    kernel = getattr(ops, "rms_norm", None)
+    if kernel is None:
+        return None
+    try:
+        kernel(
+            torch.empty(1, 16, dtype=dtype),
+            torch.ones(1, 16, dtype=dtype),
+            torch.ones(16, dtype=dtype),
+            1e-6,
+        )
+    except (RuntimeError, NotImplementedError, AttributeError):  # op not in this build
+        return None
+    return kernel
+
+
+def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMS norm of the stream rows ``x`` over their last dimension, scaled by ``weight``.
+
+    On a CPU, vLLM's fused kernel: PyTorch's ``rms_norm`` runs there as about six small ops,
+    each paying the OpenMP fork-join of the engine's threads (~65 us for 4 rows inside a
+    2-thread engine, against ~3 us for the kernel), and a stream pass runs two norms a layer.
+    Elsewhere (or for a dtype the kernel lacks) PyTorch's."""
+    w = weight.to(x.dtype)
+    kernel = _rms_norm_kernel(x.dtype) if x.is_cpu and x.numel() else None
+    if kernel is None:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    kernel(out, rows, w.contiguous(), eps)
+    return out.view(x.shape)
 
 
 def packed_reason(mode: str, platform_is_cpu: bool, model_dtype, tp_size: int) -> str | None:
