@@ -4,8 +4,9 @@ paper's OPT-1.3b call reductions, as Markdown and a plot.
 
 Reads, per task, the ``bench.json`` of one ``specstream bench`` run under
 ``benchmarks/results/<task>/`` (:attr:`Task.runs`: per CPU class, the run with the engine on
-both cores and every method beside specstream) and the ``eval-<model>.json`` files of ``specstream eval`` on the same
-validation split, from the bench run's directory or else the task's:
+both cores and every method beside specstream) and the ``eval-<model>.json`` files of
+``specstream eval`` on the same validation split, from the bench run's directory, else the
+served adapter's (:attr:`Task.evals`), else the task's:
 ``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
 ``eval-ntp.json`` (the next-token LoRA baseline's metric). Missing files give missing rows.
 
@@ -107,9 +108,10 @@ def task_rows(task: Task, results: Path, cpu_class: str = CPU_CLASSES[0]) -> lis
     bench = _read(results / task.name / run)
     if bench is None and cpu_class == CPU_CLASSES[0]:  # an earlier run in the task's directory
         bench = _read(results / task.name / "bench.json")
-    # The evaluations of the adapter the bench ran: beside its bench.json, else the task's.
+    # The evaluations of the adapter the bench ran: beside its bench.json, else where the
+    # served adapter's are, else the task's (each directory read once: they may coincide).
     here = results / task.name
-    dirs = (here / Path(run).parent, here / task.evals, here)
+    dirs = tuple(dict.fromkeys((here / Path(run).parent, here / task.evals, here)))
     spec_eval = next(filter(None, (_read(d / "eval-specstream.json") for d in dirs)), None)
     ntp_eval = next(filter(None, (_read(d / "eval-ntp.json") for d in dirs)), None)
     by_method = {
