@@ -51,6 +51,7 @@ METHODS = (
     "medusa",
     "specstream",
     "specstream-fixed",
+    "specstream-suffix",
     "specstream-tree",
     "specstream-tree-fixed",
     "specstream-tree-pruned",
@@ -58,7 +59,9 @@ METHODS = (
 #: Methods that draft trees (``$SPECSTREAM_TREE_TOP_K`` set in their engine).
 TREE_METHODS = ("specstream-tree", "specstream-tree-fixed", "specstream-tree-pruned")
 #: Methods a bench runs only when named (``--methods``).
-ON_REQUEST = ("plain-control", "specstream-fixed", *TREE_METHODS)
+ON_REQUEST = ("plain-control", "specstream-fixed", "specstream-suffix", *TREE_METHODS)
+#: Methods that import arctic-inference's suffix trees in the engine.
+SUFFIX_METHODS = ("suffix", "specstream-suffix")
 
 #: Where ``make suffix-decoding`` installs arctic-inference's suffix tree (vLLM's ``suffix``
 #: method); put on the engines' ``PYTHONPATH`` when present.
@@ -69,10 +72,11 @@ SUFFIX_DECODING_DIR = Path(
 #: Methods that draft from earlier requests' outputs (suffix decoding's global tree): the
 #: bench sends the same prompts in every cell and repeat, so each of those gets a fresh
 #: engine; otherwise they would draft each answer from its own earlier copy.
-FRESH_ENGINE_PER_CELL = ("suffix",)
+FRESH_ENGINE_PER_CELL = SUFFIX_METHODS
 
 #: Warm-up request of a fresh engine: none of the prompts, so that nothing is learnt from them.
 WARM_UP_PROMPT = "Count from one to twenty."
+
 
 #: vLLM's CPU worker thread binding (``auto``: all cores but one, kept for the front-end).
 OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -133,6 +137,8 @@ class BenchConfig:
     tree_prune: str | None = None
     """``$SPECSTREAM_TREE_PRUNE`` of ``specstream-tree-pruned`` and ``specstream-tree``
     (None: the checkpoint's threshold)."""
+    suffix_drafts: str = "on"
+    """``$SPECSTREAM_SUFFIX_DRAFTS`` of ``specstream-suffix`` (``on`` or a score threshold)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -144,8 +150,14 @@ class BenchConfig:
             raise ValueError(
                 "--methods includes medusa but --medusa (the heads' directory) is not given"
             )
-        if "suffix" in self.methods:
-            check_suffix_decoding()
+        for method in SUFFIX_METHODS:
+            if method in self.methods:
+                check_suffix_decoding(method)
+        if "specstream-suffix" in self.methods:
+            from vllm_specstream.suffix_drafts import suffix_min_score_from
+
+            if suffix_min_score_from(self.suffix_drafts) is None:
+                raise ValueError("--suffix-drafts: 'on' or a score threshold for specstream-suffix")
         if self.medusa and not (Path(self.medusa) / "config.json").is_file():
             raise ValueError(f"--medusa {self.medusa}: no config.json (a Medusa checkpoint?)")
         if not (Path(self.checkpoint) / "config.json").is_file():
@@ -174,10 +186,10 @@ def has_suffix_decoding() -> bool:
         return False
 
 
-def check_suffix_decoding() -> None:
+def check_suffix_decoding(method: str = "suffix") -> None:
     if not has_suffix_decoding():
         raise ValueError(
-            "--methods suffix needs arctic-inference's suffix decoding, which is not "
+            f"--methods {method} needs arctic-inference's suffix decoding, which is not "
             f"importable here nor in {SUFFIX_DECODING_DIR}; `make suffix-decoding` builds it "
             "for this CPU, or drop suffix from --methods"
         )
@@ -212,6 +224,8 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
             "num_speculative_tokens": min(k, medusa_heads(cfg.medusa)),
         }
     if method == "specstream":
+        return speculative_config(k, **cfg.specstream_options)
+    if method == "specstream-suffix":
         return speculative_config(k, **cfg.specstream_options)
     if method == "specstream-fixed":
         return speculative_config(k, **{**cfg.specstream_options, "adaptive": False})
@@ -345,6 +359,10 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
                     if llm is not None:
                         llm.llm_engine.engine_core.shutdown()
                     llm = start_engine()
+                # Each cell and repeat starts with no cached prefixes: an engine kept for
+                # the next cell would otherwise find its prompts cached from the last one,
+                # while a fresh engine's are not.
+                llm.reset_prefix_cache()
                 before = _counters(llm)
                 run_tokens = []
                 for g in groups(len(prompts), batch_size):
@@ -403,17 +421,21 @@ def _emit(line: str) -> None:
 def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
     """The environment of ``method``'s child process (None: what every method shares)."""
     from vllm_specstream.options import ENV_TREE_PRUNE, ENV_TREE_TOP_K
+    from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS
 
     env = dict(os.environ)
     env.pop(ENV_TREE_TOP_K, None)  # trees are the tree methods' only
     env.pop(ENV_TREE_PRUNE, None)
+    env.pop(ENV_SUFFIX_DRAFTS, None)  # and suffix drafts specstream-suffix's
+    if method == "specstream-suffix":
+        env[ENV_SUFFIX_DRAFTS] = cfg.suffix_drafts
     if method in TREE_METHODS:
         env[ENV_TREE_TOP_K] = cfg.tree_top_k
         if method == "specstream-tree-fixed":
             env[ENV_TREE_PRUNE] = "off"
         elif cfg.tree_prune is not None:
             env[ENV_TREE_PRUNE] = cfg.tree_prune
-    if "suffix" in cfg.methods and SUFFIX_DECODING_DIR.is_dir():
+    if any(m in cfg.methods for m in SUFFIX_METHODS) and SUFFIX_DECODING_DIR.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(SUFFIX_DECODING_DIR), env.get("PYTHONPATH")) if p
         )

@@ -379,6 +379,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             tree_top_k=args.tree_top_k,
             tree_nodes=args.tree_nodes,
             tree_prune=args.tree_prune,
+            suffix_drafts=args.suffix_drafts,
         )
     except (ValueError, OSError) as e:
         print(f"specstream bench: error: {e}", file=sys.stderr)
@@ -667,12 +668,15 @@ def _add_training_parsers(sub) -> None:
         "--methods",
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
         "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off),"
+        "specstream-suffix (suffix-tree drafts where they pay more than the streams': "
+        "--suffix-drafts),"
         "specstream-tree (draft trees verified in vLLM where the adaptive policy finds they "
         "pay, their width and pruning chosen per step: --tree-top-k, --tree-nodes),"
         "specstream-tree-fixed (the whole tree at every step, unpruned), "
         "specstream-tree-pruned (trees at every step, pruned by the checkpoint's early-exit "
         "adapter: --tree-prune) "
-        "(default: all but plain-control, specstream-fixed and the tree methods; medusa only "
+        "(default: all but plain-control, specstream-fixed, specstream-suffix and the tree "
+        "methods; medusa only "
         "with --medusa, "
         "suffix only where arctic-inference is importable)",
     )
@@ -698,6 +702,13 @@ def _add_training_parsers(sub) -> None:
         help="specstream-tree-pruned and specstream-tree: early-exit pruning threshold "
         "(SPECSTREAM_TREE_PRUNE; default: the checkpoint's prune.threshold, 'off': none); "
         "specstream-tree-fixed never prunes",
+    )
+    p.add_argument(
+        "--suffix-drafts",
+        default="on",
+        help="specstream-suffix: SPECSTREAM_SUFFIX_DRAFTS ('on': a request drafts from the "
+        "suffix trees where that yields as many tokens per step cost as the streams; or a "
+        "fixed score threshold)",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each cell's prompts")

@@ -3,8 +3,8 @@
 Two come from vLLM's ``speculative_config`` (so they travel with the engine's config to
 every process): the stream *placement* (which proposer class ``model`` names) and the
 user's batch-size schedule. The others come from the environment, which vLLM's engine
-processes inherit: the stream pass's dtype, the confidence rule's threshold and the draft
-tree's shape.
+processes inherit: the stream pass's dtype, the confidence rule's threshold, the draft
+tree's shape and suffix drafts beside the streams.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER
 from vllm_specstream.config import ConfigError
+from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS, suffix_min_score_from
 
 ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
 STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
@@ -50,6 +51,11 @@ class SpecStreamOptions:
     """``$SPECSTREAM_TREE_PRUNE``: early-exit pruning threshold of draft trees in ``[0, 1)``
     (``off``: no pruning); None: the checkpoint's ``prune.threshold`` where it has a pruning
     adapter (:mod:`vllm_specstream.model_executor.tree_pruning`), else no pruning."""
+
+    suffix_min_score: float | None = None
+    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:mod:`vllm_specstream.suffix_drafts`): a request's step
+    drafts from the suffix trees where their draft's score reaches this (nan: where they
+    yield as many tokens per step cost as the streams); None: the streams only."""
 
     @property
     def trees(self) -> bool:
@@ -195,4 +201,20 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
         draft_min_prob=draft_min_prob_from(environ) if k else 0.0,
         tree_top_k=tree_top_k_from(environ) if k else None,
         tree_prune=tree_prune_from(environ) if k else None,
+        suffix_min_score=suffix_drafts_from(environ) if k else None,
     )
+
+
+SUFFIX_WITH_TREES = (
+    f"{ENV_SUFFIX_DRAFTS} drafts chains beside the streams, not trees; unset "
+    f"{ENV_TREE_TOP_K} or {ENV_SUFFIX_DRAFTS}"
+)
+
+
+def suffix_drafts_from(environ: Mapping[str, str]) -> float | None:
+    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:func:`~vllm_specstream.suffix_drafts.suffix_min_score_from`);
+    refused beside draft trees."""
+    score = suffix_min_score_from(environ.get(ENV_SUFFIX_DRAFTS, ""))
+    if score is not None and tree_top_k_from(environ) is not None:
+        raise ConfigError(SUFFIX_WITH_TREES)
+    return score

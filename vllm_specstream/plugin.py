@@ -45,6 +45,10 @@ def _apply_patches(vllm_version: str) -> None:
             from vllm_specstream.patches.tree_runner import TREE_RUNNER
 
             apply_patch(TREE_RUNNER, vllm_version)
+    if _suffix_drafts_requested():
+        from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER
+
+        apply_patch(PROPOSER_RUNNER, vllm_version)
 
 
 def _trees_requested() -> bool:
@@ -55,6 +59,18 @@ def _trees_requested() -> bool:
 
     try:
         return tree_top_k_from(os.environ) is not None
+    except ConfigError:
+        return False
+
+
+def _suffix_drafts_requested() -> bool:
+    """Whether ``$SPECSTREAM_SUFFIX_DRAFTS`` asks for suffix drafts (a bad value is the
+    proposer's error to raise, with the variable named)."""
+    from vllm_specstream.config import ConfigError
+    from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS, suffix_min_score_from
+
+    try:
+        return suffix_min_score_from(os.environ.get(ENV_SUFFIX_DRAFTS, "")) is not None
     except ConfigError:
         return False
 

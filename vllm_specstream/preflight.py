@@ -26,9 +26,11 @@ from vllm_specstream.options import (
     TREES_TP_ERROR,
     SpecStreamOptions,
     draft_tree_of,
+    suffix_drafts_from,
     tree_prune_from,
     tree_top_k_from,
 )
+from vllm_specstream.suffix_drafts import suffix_cache_class
 
 #: Any ``custom_class`` proposer of this package (``--spec-model vllm_specstream.proposer.X``;
 #: the ``specstream`` alias resolves to one before the check runs).
@@ -122,6 +124,8 @@ def check_setup(
             raise ConfigError(
                 f"{config_file}: {STREAM_LORA_TP_ERROR.format(tp=tensor_parallel_size)}"
             )
+    if speculating and num_speculative_tokens and suffix_drafts_from(os.environ) is not None:
+        suffix_cache_class()  # raises, naming the variable, where arctic-inference is missing
     trees = tree_top_k_from(os.environ) if speculating and num_speculative_tokens else None
     if trees is not None:
         if tensor_parallel_size > 1:

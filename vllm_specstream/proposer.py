@@ -2,13 +2,18 @@
 
 The drafts were computed inside the target's own forward (:mod:`model_executor.specstream`);
 the proposer only picks, per request, the row of the last accepted token and returns its
-stream tokens, clipped to ``num_speculative_tokens``. It keeps no per-row state: rows of
-vLLM's input batch move between steps. It takes the model's stash (clearing it) and uses
+stream tokens, clipped to ``num_speculative_tokens``; with ``$SPECSTREAM_SUFFIX_DRAFTS`` a
+request takes the suffix trees' draft instead where it scores at least as well
+(:mod:`vllm_specstream.suffix_drafts`). It keeps no per-row state: rows of vLLM's input batch
+move between steps. It takes the model's stash (clearing it) and uses
 it only if it is this step's (:mod:`vllm_specstream.model_executor.stash`); steps that
 draft nothing are watched (:mod:`vllm_specstream.draft_watch`).
 """
 
 from __future__ import annotations
+
+import math
+import weakref
 
 import numpy as np
 
@@ -33,6 +38,13 @@ from vllm_specstream.policy import (
     tree_choices,
 )
 from vllm_specstream.step_cost import table_for
+from vllm_specstream.suffix_drafts import (
+    ENV_SUFFIX_DRAFTS,
+    SCHEDULED_MIN_SCORE,
+    SuffixDrafts,
+    SuffixSettings,
+    suffix_rows,
+)
 
 logger = init_logger(__name__)
 
@@ -160,6 +172,33 @@ class SpecStreamProposer:
         self._tree_rows: set[int] = set()
         #: The tree those rows got (its estimate takes their accepted paths next call).
         self._filed_tree: TreeChoice | None = None
+        #: Suffix trees beside the streams (None: the streams draft alone).
+        self.suffix: SuffixDrafts | None = None
+        self.suffix_min_score = options.suffix_min_score
+        if options.suffix_min_score is not None:
+            self.suffix = SuffixDrafts(
+                SuffixSettings.of(vllm_config.speculative_config),
+                int(vllm_config.model_config.max_model_len),
+            )
+            logger.info(
+                "specstream drafts from suffix trees (prompt, output, earlier outputs) where "
+                "their draft scores at least %s, from the streams elsewhere (%s)",
+                "the streams' expected tokens per step cost, less one"
+                if math.isnan(options.suffix_min_score)
+                else f"{options.suffix_min_score:g}",
+                ENV_SUFFIX_DRAFTS,
+            )
+        #: The model runner (its input batch's request ids and prompt lengths key the
+        #: suffix trees): :mod:`vllm_specstream.patches.proposer_runner`.
+        self._runner = None
+        #: Requests whose last drafts were the suffix trees' (left out of the streams'
+        #: acceptance estimate when verified).
+        self._suffix_reqs: set[str] = set()
+        #: Requests' drafts taken from the suffix trees.
+        self.suffix_drafted = 0
+
+    def bind_runner(self, runner) -> None:
+        self._runner = weakref.ref(runner)
 
     def load_model(self, target_model) -> None:
         # Stored as `target`, not `model`: vLLM probes `drafter.model` in some paths.
@@ -238,8 +277,15 @@ class SpecStreamProposer:
     ):
         stash = self.target.take_stash()
         self._tree_rows = set()
+        req_ids = self._suffix_update(sampled_token_ids, token_ids_cpu)
         if self.policy is not None:
             chain_sampled = self._record_tree_rows(sampled_token_ids)
+            if self._suffix_reqs:
+                # Verified suffix drafts say nothing of the streams' acceptance.
+                chain_sampled = [
+                    [] if r < len(req_ids) and req_ids[r] in self._suffix_reqs else s
+                    for r, s in enumerate(chain_sampled)
+                ]
             self._filed_tree = None
             self.policy.stats.record_verified(chain_sampled)
             self.step_timer.record(
@@ -269,18 +315,31 @@ class SpecStreamProposer:
             streams if self.tree is None else min(streams, self.tree.num_streams)
         )
         self.target.window_streams_batch = len(sampled_token_ids)
+        suffix: dict[int, list[int]] = {}
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
         else:
+            if req_ids:
+                suffix = self._suffix_choice(
+                    k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
+                )
             drafts, why_none = self._drafts(
-                stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
+                stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, skip=suffix
             )
+            for r, tokens in suffix.items():
+                drafts[r] = tokens
             expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
             self.watch.step(expected, any(drafts), why_none)
+        self._suffix_reqs = {req_ids[r] for r in suffix}
+        if suffix and len(suffix) == sum(1 for s in sampled_token_ids if s):
+            # Every request copies this step: the next forward runs no window streams (a
+            # request that then needs the streams gets them at its anchor).
+            self.target.window_streams = 0
         if self.policy is not None:
             trees = self._tree_rows
+            other = trees | set(suffix)
             self.policy.stats.record_proposed(
-                [[] if r in trees else d for r, d in enumerate(drafts)] if trees else drafts
+                [[] if r in other else d for r, d in enumerate(drafts)] if other else drafts
             )
             # A step's time is filed under a tree only if it verified trees, under a chain
             # only if its drafts came from where that choice runs its streams, as many, and
@@ -294,10 +353,61 @@ class SpecStreamProposer:
                     timed_as = WindowEntry(k)
                 elif from_anchors != anchored or (not anchored and window_ran < k):
                     timed_as = None
+            if suffix:
+                timed_as = None  # a step verifying suffix drafts is no stream choice's
             self.step_timer.proposed(
                 timed_as if any(drafts) else 0, k if timed_as is None else timed_as
             )
         return drafts
+
+    def _suffix_update(self, sampled_token_ids, token_ids_cpu) -> list[str]:
+        """Grows the suffix trees by this step's sampled tokens; returns the batch's request
+        ids ([] without suffix drafts)."""
+        if self.suffix is None:
+            return []
+        runner = self._runner() if self._runner is not None else None
+        if runner is None:
+            self.suffix = None
+            logger.warning(
+                "%s: the model runner was not handed to the proposer (patch proposer-runner "
+                "not applied in this process), so the streams draft alone",
+                ENV_SUFFIX_DRAFTS,
+            )
+            return []
+        batch = runner.input_batch
+        n = len(sampled_token_ids)
+        req_ids = list(batch.req_ids[:n])
+        self.suffix.update(req_ids, batch.num_prompt_tokens[:n], token_ids_cpu, sampled_token_ids)
+        return req_ids
+
+    def streams_yield(self, batch_size: int, k: Choice) -> float:
+        """Tokens per plain step's cost the policy expects of stream drafts ``k``."""
+        return self.policy.expected_speedup(batch_size, k)
+
+    def _suffix_choice(self, k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
+        """Rows that draft from the suffix trees this step, with their drafts: those whose
+        draft scores at least the threshold. ``on``: a suffix step yields ``1 + score``
+        tokens at a plain step's cost (no stream pass), a stream step the policy's expected
+        tokens at its step cost; the suffix draft is taken where it yields as much per cost."""
+        min_score = self.suffix_min_score
+        if math.isnan(min_score):
+            min_score = (
+                max(self.streams_yield(len(sampled_token_ids), k) - 1.0, 0.0)
+                if self.policy is not None
+                else SCHEDULED_MIN_SCORE
+            )
+        # As long as the streams' drafts: the policy priced that many verify rows.
+        length = rows_of(k)
+        drafts = {
+            r: self.suffix.draft(req_ids[r], token_ids_cpu[r], int(num_tokens_no_spec[r]), length)
+            for r, sampled in enumerate(sampled_token_ids)
+            if sampled
+        }
+        chosen = suffix_rows(drafts, min_score)
+        if chosen and not self.suffix_drafted:
+            logger.info("specstream drafts from the suffix trees (first at batch %d)", len(drafts))
+        self.suffix_drafted += len(chosen)
+        return chosen
 
     def _record_tree_rows(self, sampled_token_ids):
         """Files the path lengths of the step's tree rows with the policy's tree estimate;
@@ -311,8 +421,9 @@ class SpecStreamProposer:
             stats.record([max(len(sampled_token_ids[r]) - 1, 0) for r in rows])
         return [[] if r in rows else s for r, s in enumerate(sampled_token_ids)]
 
-    def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
-        """This step's drafts from ``stash``, and why there are none when there are none."""
+    def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, skip=()):
+        """This step's drafts from ``stash`` (none for the rows in ``skip``: they draft from
+        the suffix trees), and why there are none when there are none."""
         no_drafts = [[] for _ in sampled_token_ids]
         if stash is None:
             return no_drafts, self.target.no_stash_reason
@@ -343,6 +454,11 @@ class SpecStreamProposer:
             )
         if not rows:
             return no_drafts, "no request's last accepted token was in the last forward"
+        if skip:
+            kept = [(r, i) for r, i in zip(rows, indices) if r not in skip]
+            if not kept:
+                return no_drafts, "every request drafted from the suffix trees"
+            rows, indices = [r for r, _ in kept], [i for _, i in kept]
         if self.tree is not None:
             return self._tree_drafts(stash, k, rows, indices, len(sampled_token_ids))
         k = rows_of(k)

@@ -251,3 +251,23 @@ def test_compile_flag_runs_every_engine_compiled(dirs, monkeypatch):
         assert bench.engine_mode(cfg) == mode
         kwargs = {"enforce_eager": True, **cfg.engine_options}  # run_cells' order
         assert kwargs["enforce_eager"] is (mode == "eager")
+
+
+def test_suffix_drafts_are_specstream_suffix_only(dirs, monkeypatch):
+    import vllm_specstream.bench as bench
+
+    ckpt, _ = dirs
+    monkeypatch.setattr(bench, "has_suffix_decoding", lambda: True)
+    monkeypatch.setenv("SPECSTREAM_SUFFIX_DRAFTS", "2")  # a user's shell: not for other methods
+    cfg = BenchConfig(checkpoint=str(ckpt), methods=("specstream", "specstream-suffix"))
+    assert "SPECSTREAM_SUFFIX_DRAFTS" not in engine_env(cfg, "specstream")
+    assert engine_env(cfg, "specstream-suffix")["SPECSTREAM_SUFFIX_DRAFTS"] == "on"
+    assert speculative_config_for("specstream-suffix", cfg) == speculative_config_for(
+        "specstream", cfg
+    )
+    assert "specstream-suffix" in bench.FRESH_ENGINE_PER_CELL  # the global tree learns
+    with pytest.raises(ValueError, match="--suffix-drafts"):
+        BenchConfig(checkpoint=str(ckpt), methods=("specstream-suffix",), suffix_drafts="off")
+    monkeypatch.setattr(bench, "has_suffix_decoding", lambda: False)
+    with pytest.raises(ValueError, match="--methods specstream-suffix needs arctic-inference"):
+        BenchConfig(checkpoint=str(ckpt), methods=("specstream-suffix",))

@@ -295,3 +295,28 @@ def test_the_draft_vocabulary_is_checked_before_the_engine_starts(tmp_path, mark
     else:
         with pytest.raises(ConfigError, match=message):
             check(ckpt, k=3)
+
+
+def test_suffix_drafts_need_arctic_inference_and_chains(tmp_path, monkeypatch):
+    import builtins
+
+    ckpt = make_checkpoint(tmp_path)
+    real_import = builtins.__import__
+
+    def without_arctic(name, *args, **kwargs):
+        if name.startswith("arctic_inference"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_arctic)
+    monkeypatch.setenv("SPECSTREAM_SUFFIX_DRAFTS", "on")
+    with pytest.raises(
+        ConfigError,
+        match=r"SPECSTREAM_SUFFIX_DRAFTS needs arctic-inference.*"
+        r"make suffix-decoding",
+    ):
+        check(ckpt, k=2)
+    check(ckpt, k=None)  # not speculating: nothing to draft with
+    monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "2")
+    with pytest.raises(ConfigError, match="drafts chains beside the streams, not trees"):
+        check(ckpt, k=2)

@@ -468,3 +468,44 @@ def test_tree_pruning_touch_points_still_fit_vllm():
         "True",
         "5 4 [0, 1, 5] [20, 44] 44 [0, 1, 2, 4, 7] True",
     ]
+
+
+@needs_cpu_wheel
+def test_proposer_runner_hook_still_fits_vllm():
+    # Fails when vLLM changes what suffix drafts beside the streams hook into: the runner
+    # loads the drafter in its own load_model (the CPU runner's, and the GPU runner's), and
+    # the input batch fields the suffix trees are keyed by. Applied only on request: without
+    # SPECSTREAM_SUFFIX_DRAFTS the runners' load_model is vLLM's.
+    out = run_python(
+        "import inspect\n"
+        "from types import SimpleNamespace\n"
+        "from vllm.v1.worker import cpu_model_runner as c, gpu_model_runner as g\n"
+        "from vllm.v1.worker.gpu_input_batch import InputBatch\n"
+        "for cls in (c.CPUModelRunner, g.GPUModelRunner):\n"
+        "    src = inspect.getsource(vars(cls)['load_model'])\n"
+        "    print('self.drafter.load_model(self.model)' in src)\n"
+        "src = inspect.getsource(InputBatch.__init__)\n"
+        "print(all(f in src for f in ('self.num_prompt_tokens', '_req_ids', 'token_ids_cpu')))\n"
+        "from vllm_specstream.plugin import register\n"
+        "register()\n"
+        "print(getattr(c.CPUModelRunner.load_model, '__specstream_runner__', False))\n"
+        "import os\n"
+        "os.environ['SPECSTREAM_SUFFIX_DRAFTS'] = 'on'\n"
+        "from vllm_specstream.patches import apply_patch\n"
+        "from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER\n"
+        "from vllm_specstream.vllm_version import ensure_supported_vllm\n"
+        "apply_patch(PROPOSER_RUNNER, ensure_supported_vllm())\n"
+        "print(c.CPUModelRunner.load_model.__specstream_runner__,\n"
+        "      g.GPUModelRunner.load_model.__specstream_runner__)\n"
+        "bound = []\n"
+        "class Base:\n"
+        "    def load_model(self):\n"
+        "        self.drafter = SimpleNamespace(bind_runner=bound.append)\n"
+        "        return 'loaded'\n"
+        "from vllm_specstream.patches.proposer_runner import _wrap_load_model\n"
+        "runner = Base()\n"
+        "print(_wrap_load_model(Base.load_model)(runner), bound == [runner])\n"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-6:] == ["True", "True", "True", "False", "True True", "loaded True"]

@@ -1,6 +1,7 @@
 """Speculative streaming on real vLLM engines: lossless greedy, drafts flow, clear errors."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,8 +9,10 @@ from pathlib import Path
 import pytest
 from engine_child import CHILD, run_child
 
+from vllm_specstream.bench import SUFFIX_DECODING_DIR, has_suffix_decoding
 from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
 from vllm_specstream.options import ENV_STREAM_DTYPE, ENV_TREE_TOP_K
+from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -83,14 +86,25 @@ def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=No
     assert "refused the model's stream stash" not in log, out.stderr[-6000:]
     # The adaptive policy of a window engine drafted with streams at the anchors.
     result["anchored"] = "runs the streams at the requests' anchors" in log
+    result["suffix_drafted"] = "specstream drafts from the suffix trees" in log
     return result
 
 
 PLACEMENTS = ("window", "accepted")
 #: Placements run per engine setting (the default placement everywhere); "tree": draft
 #: trees verified in vLLM (6 nodes, top-2 per stream; ``test_tree_verification.py``).
-ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("window", "tree")}
+ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("window", "tree", "suffix")}
 TREE_ENV = {ENV_TREE_TOP_K: "2", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: "suffix": chains with suffix-tree drafts wherever the trees have one (threshold 0), the
+#: streams elsewhere; run where arctic-inference's suffix trees are built
+#: (``make suffix-decoding``), with requests preempted and recomputed mid-generation.
+SUFFIX_ENV = {
+    ENV_SUFFIX_DRAFTS: "0",
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SUFFIX_DECODING_DIR), os.environ.get("PYTHONPATH")) if p
+    ),
+}
+PLACEMENT_NAMES = (*PLACEMENTS, "tree", "suffix")
 #: Stream-pass matmuls per placement in the "default" setting, so that both paths of
 #: ``stream_weights`` run whatever the CPU (the "chunked" setting takes the automatic one);
 #: where the CPU has no bf16 GEMM, "bfloat16" runs the fallback to the model's dtype.
@@ -105,9 +119,13 @@ def runs(request, tiny_merged):
     engine = ENGINES[request.param]
     plain = run_engine(tiny_merged, 0, engine, requests)
     placements = ENGINE_PLACEMENTS[request.param]
+    if not has_suffix_decoding():
+        placements = tuple(p for p in placements if p != "suffix")
     spec = {
         p: run_engine(tiny_merged, 6, engine, requests, env=TREE_ENV, trees=True)
         if p == "tree"
+        else run_engine(tiny_merged, 3, engine, requests, env=SUFFIX_ENV)
+        if p == "suffix"
         else run_engine(
             tiny_merged,
             3,
@@ -122,12 +140,14 @@ def runs(request, tiny_merged):
 
 
 def _spec_run(runs, placement) -> dict:
+    if placement == "suffix" and not has_suffix_decoding():
+        pytest.skip("arctic-inference's suffix trees are not built here (make suffix-decoding)")
     if placement not in runs[2]:
         pytest.skip(f"placement {placement} is not run with these engine settings")
     return runs[2][placement]
 
 
-@pytest.mark.parametrize("placement", (*PLACEMENTS, "tree"))
+@pytest.mark.parametrize("placement", PLACEMENT_NAMES)
 def test_greedy_is_token_identical_with_speculation(runs, placement):
     requests, plain, _ = runs
     spec = _spec_run(runs, placement)
@@ -143,13 +163,15 @@ def test_greedy_is_token_identical_with_speculation(runs, placement):
     assert stopped, "no request ended on a stop string"
 
 
-@pytest.mark.parametrize("placement", (*PLACEMENTS, "tree"))
+@pytest.mark.parametrize("placement", PLACEMENT_NAMES)
 def test_drafts_are_proposed_and_counted(runs, placement):
     run = _spec_run(runs, placement)
     metrics = run["metrics"]
     assert metrics["vllm:spec_decode_num_drafts"] > 0, metrics
     if placement == "tree":
         assert run["trees"]["tree_rows"] > 0, run["trees"]
+    if placement == "suffix":
+        assert run["suffix_drafted"], "no step drafted from the suffix trees"
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
 
 

@@ -1,0 +1,271 @@
+"""Suffix drafts beside the streams: the option, the trees' bookkeeping (as vLLM's ``suffix``
+method keeps them) and the proposer's choice per request."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_specstream.config import ConfigError
+from vllm_specstream.options import read_options
+from vllm_specstream.suffix_drafts import (
+    ENV_SUFFIX_DRAFTS,
+    SuffixDraft,
+    SuffixDrafts,
+    SuffixSettings,
+    suffix_min_score_from,
+    suffix_rows,
+)
+
+
+def test_option_values():
+    assert suffix_min_score_from("") is None and suffix_min_score_from("off") is None
+    assert np.isnan(suffix_min_score_from("on")) and np.isnan(suffix_min_score_from(" ON "))
+    assert suffix_min_score_from("0") == 0.0 and suffix_min_score_from("1.5") == 1.5
+    for bad in ("-1", "maybe", "nan"):
+        with pytest.raises(ConfigError, match=f"{ENV_SUFFIX_DRAFTS}='{bad}'"):
+            suffix_min_score_from(bad)
+
+
+def test_options_read_it_only_when_speculating_and_refuse_it_beside_trees():
+    spec = SimpleNamespace(
+        method="custom_class",
+        model=None,
+        num_speculative_tokens=4,
+        num_speculative_tokens_per_batch_size=None,
+    )
+    config = SimpleNamespace(speculative_config=spec)
+    assert read_options(config, {ENV_SUFFIX_DRAFTS: "0.5"}).suffix_min_score == 0.5
+    assert read_options(None, {ENV_SUFFIX_DRAFTS: "0.5"}).suffix_min_score is None
+    with pytest.raises(ConfigError, match="unset SPECSTREAM_TREE_TOP_K or SPECSTREAM_SUFFIX"):
+        read_options(config, {ENV_SUFFIX_DRAFTS: "on", "SPECSTREAM_TREE_TOP_K": "2"})
+
+
+def test_settings_follow_vllms_suffix_fields():
+    spec = SimpleNamespace(suffix_decoding_max_tree_depth=16, suffix_decoding_min_token_prob=0.3)
+    s = SuffixSettings.of(spec)
+    assert (s.max_tree_depth, s.min_token_prob) == (16, 0.3)
+    assert (s.max_cached_requests, s.max_spec_factor) == (10000, 1.0)  # vLLM's defaults
+
+
+def test_suffix_rows_take_scoring_drafts_only():
+    drafts = {0: SuffixDraft([1, 2], 1.6), 1: SuffixDraft([3], 0.4), 2: SuffixDraft([], 0.0)}
+    assert suffix_rows(drafts, 0.5) == {0: [1, 2]}
+    assert suffix_rows(drafts, 0.0) == {0: [1, 2], 1: [3]}
+
+
+class FakeCache:
+    """arctic-inference's ``SuffixDecodingCache`` as the trees' bookkeeping calls it."""
+
+    def __init__(self, draft=((), 0.0)):
+        self.active: dict[str, list[int]] = {}
+        self.cached: set[str] = set()
+        self.calls: list[tuple] = []
+        self.next_draft = draft
+
+    @property
+    def active_requests(self):
+        return self.active.keys()
+
+    @property
+    def cached_requests(self):
+        return self.cached
+
+    def start_request(self, req_id, prompt):
+        self.calls.append(("start", req_id, list(prompt)))
+        self.active[req_id] = list(prompt)
+
+    def add_active_response(self, req_id, tokens):
+        self.active[req_id] += tokens
+
+    def stop_request(self, req_id):
+        self.calls.append(("stop", req_id))
+        self.cached.add(req_id)
+        del self.active[req_id]
+
+    def evict_cached_response(self, req_id):
+        self.calls.append(("evict", req_id))
+        self.cached.discard(req_id)
+
+    def speculate(self, req_id, context, max_spec_tokens, **kw):
+        self.calls.append(("speculate", req_id, list(context), max_spec_tokens))
+        tokens, score = self.next_draft
+        return SimpleNamespace(token_ids=list(tokens)[:max_spec_tokens], score=score)
+
+
+def test_trees_start_from_the_prompt_grow_and_stop():
+    cache = FakeCache()
+    trees = SuffixDrafts(SuffixSettings(max_tree_depth=3), max_model_len=64, cache=cache)
+    tokens = np.zeros((2, 16), dtype=np.int32)
+    tokens[0, :4] = [5, 6, 7, 8]  # prompt of 3, then its first sampled token
+    tokens[1, :3] = [9, 9, 1]
+    trees.update(["a", "b"], [3, 2], tokens, [[8], []])  # "b" is a partial prefill chunk
+    assert cache.calls == [("start", "a", [5, 6, 7])] and cache.active == {"a": [5, 6, 7, 8]}
+    trees.update(["b"], [2], tokens[1:], [[1]])  # "a" left the batch; "b" sampled
+    assert ("stop", "a") in cache.calls and set(cache.active) == {"b"}
+    # A request that comes back (preempted, resumed) starts again from its prompt.
+    trees.update(["a"], [3], tokens, [[8]])
+    assert cache.calls[-3:] == [("evict", "a"), ("start", "a", [5, 6, 7]), ("stop", "b")]
+    # Drafts match the last max_tree_depth tokens; none past the model's length.
+    cache.next_draft = ([1, 2, 3, 4], 2.5)
+    assert trees.draft("a", tokens[0], 4, 3) == SuffixDraft([1, 2, 3], 2.5)
+    assert cache.calls[-1] == ("speculate", "a", [6, 7, 8], 3)
+    assert trees.draft("a", tokens[0], 63, 3) == SuffixDraft([], 0.0)
+
+
+def _arctic_importable() -> bool:
+    from vllm_specstream.bench import has_suffix_decoding
+
+    return has_suffix_decoding()
+
+
+@pytest.mark.skipif(
+    not _arctic_importable(),
+    reason="arctic-inference's suffix trees are not built here (make suffix-decoding)",
+)
+def test_real_suffix_trees_draft_what_the_prompt_repeats(monkeypatch):
+    from vllm_specstream.bench import SUFFIX_DECODING_DIR
+
+    monkeypatch.syspath_prepend(str(SUFFIX_DECODING_DIR))
+    trees = SuffixDrafts(SuffixSettings(), max_model_len=128)
+    prompt = [11, 12, 13, 14, 15, 16, 11, 12]
+    tokens = np.zeros((1, 32), dtype=np.int32)
+    tokens[0, : len(prompt) + 1] = [*prompt, 13]
+    trees.update(["r"], [len(prompt)], tokens, [[13]])
+    draft = trees.draft("r", tokens[0], len(prompt) + 1, 3)
+    assert draft.tokens == [14, 15, 16] and draft.score > 0
+
+
+class _Target:
+    """Two decode requests whose streams drafted at their anchors (rows 1 and 3)."""
+
+    spec_config = None
+    draft_min_prob = 0.0
+    no_stash_reason = None
+
+    def __init__(self):
+        import torch
+
+        from vllm_specstream.model_executor.forward_batch import ForwardBatch
+        from vllm_specstream.model_executor.stash import StreamStash
+
+        self.forward_step = 1
+        table = torch.full((4, 3), -1)
+        table[1] = torch.tensor([11, 12, 13])
+        table[3] = torch.tensor([21, 22, 23])
+        batch = ForwardBatch(
+            query_start_loc=torch.tensor([0, 2, 4]),
+            seq_lens=torch.tensor([12, 12]),
+            block_table=torch.zeros(2, 1, dtype=torch.int32),
+            positions=torch.tensor([10, 11, 10, 11]),
+        )
+        self.stash = StreamStash(1, batch, torch.tensor([100, 101, 200, 201]), table)
+        self.placement = None
+        self.window_streams = 3
+        self.streams_for: list[list[int]] = []
+
+    def set_placement(self, placement):
+        self.placement = placement
+
+    def default_placement(self):
+        return "accepted"
+
+    def take_stash(self):
+        stash, self.stash = self.stash, None
+        return stash
+
+    def draft_at(self, stash, rows, indices, num_streams=0):
+        self.streams_for.append(list(rows))
+        return stash.draft_table
+
+
+def _proposer(monkeypatch, cache, min_score="0.5"):
+    from vllm_specstream import proposer as proposer_module
+    from vllm_specstream.proposer import SpecStreamProposer
+
+    monkeypatch.setenv(ENV_SUFFIX_DRAFTS, min_score)
+    monkeypatch.setattr(
+        proposer_module, "SuffixDrafts", lambda settings, n: SuffixDrafts(settings, n, cache)
+    )
+    spec = SimpleNamespace(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=None)
+    p = SpecStreamProposer(
+        SimpleNamespace(speculative_config=spec, model_config=SimpleNamespace(max_model_len=64))
+    )
+    p.load_model(_Target())
+
+    class Runner:  # the model runner as the proposer reads it
+        input_batch = SimpleNamespace(req_ids=["a", "b"], num_prompt_tokens=[8, 8])
+
+    runner = Runner()
+    p.bind_runner(runner)
+    p._test_runner = runner  # the proposer holds a weak reference
+    return p
+
+
+def _tokens() -> np.ndarray:
+    tokens = np.zeros((2, 32), dtype=np.int32)
+    tokens[0, 10:13] = [100, 101, 5]
+    tokens[1, 10:13] = [200, 201, 6]
+    return tokens
+
+
+SAMPLED = [[101, 5], [201, 6]]
+
+
+def test_scoring_suffix_drafts_replace_the_streams_and_skip_their_pass(monkeypatch):
+    class PerRequest(FakeCache):
+        def speculate(self, req_id, context, max_spec_tokens, **kw):
+            tokens, score = {"a": ([7, 8, 9, 10], 2.0), "b": ([4], 0.2)}[req_id]
+            return SimpleNamespace(token_ids=tokens[:max_spec_tokens], score=score)
+
+    p = _proposer(monkeypatch, PerRequest())
+    drafts = p.propose(SAMPLED, np.array([13, 13]), _tokens())
+    # "a" copies (score 2.0 >= 0.5, as long as the streams' drafts); "b" keeps the streams'.
+    assert drafts == [[7, 8, 9], [21, 22, 23]]
+    assert p.target.streams_for == [[1]]  # the stream pass ran for "b" only
+    assert p._suffix_reqs == {"a"} and p.suffix_drafted == 1
+    # The streams' acceptance estimate counts "b"'s drafts only, and the step is not timed
+    # as a stream choice.
+    assert p.policy.stats.pending.tolist() == [1, 1, 1]
+    assert p.step_timer.last_k is None
+
+
+def test_every_request_copying_runs_no_window_streams_next(monkeypatch):
+    p = _proposer(monkeypatch, FakeCache(draft=([7, 8, 9], 3.0)))
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+    assert p.target.streams_for == [] and p.target.window_streams == 0
+    # The next step's verified suffix drafts are left out of the streams' estimate.
+    before = p.policy.stats.proposed.copy()
+    p.target.forward_step += 1
+    p.propose([[9, 1], [9, 2]], np.array([15, 15]), _tokens())
+    assert (p.policy.stats.proposed == before).all()
+
+
+def test_on_weighs_tokens_per_step_cost_against_the_streams(monkeypatch):
+    cache = FakeCache(draft=([7, 8, 9], 0.5))
+    p = _proposer(monkeypatch, cache, min_score="on")
+    asked = []
+
+    def streams_yield(batch_size, k):
+        asked.append(batch_size)
+        return 1.6  # the streams: 1.6 tokens per plain step's cost
+
+    monkeypatch.setattr(p, "streams_yield", streams_yield)
+    # 1 + 0.5 tokens at a plain step's cost: less than the streams' 1.6
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]
+    assert asked == [2]
+    cache.next_draft = ([7, 8, 9], 0.7)
+    p.target = _Target()
+    p.target.placement = "accepted"
+    assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+
+
+def test_without_the_runner_the_streams_draft_alone_and_it_is_said(monkeypatch):
+    from vllm_specstream import proposer as proposer_module
+
+    warnings = []
+    monkeypatch.setattr(proposer_module.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    p = _proposer(monkeypatch, FakeCache(draft=([7, 8, 9], 3.0)))
+    p._runner = None
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]
+    assert p.suffix is None and len(warnings) == 1 and "proposer-runner" in warnings[0]

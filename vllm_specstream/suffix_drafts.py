@@ -1,0 +1,162 @@
+"""Suffix decoding beside the streams: drafts copied from text the request has seen.
+
+A task fine-tune's answers copy a lot: column names from the schema in the prompt, a speaker's
+name from the dialogue, phrases of earlier answers. Suffix decoding (arXiv 2411.04975) drafts
+those for free, by matching the request's last tokens in suffix trees over its prompt and
+output and over earlier requests' outputs; the streams draft what is learnt, at the cost of a
+stream pass. With ``$SPECSTREAM_SUFFIX_DRAFTS=on`` a request's step takes the suffix trees'
+draft where its score (the sum of its tokens' estimated probabilities: expected accepted
+tokens) makes the step yield as many tokens per cost as the streams are expected to (the
+adaptive policy's expected tokens over its step cost; a step with suffix drafts only is priced
+as a plain step: it runs no stream pass), and then skips the stream pass for that request; the
+streams draft for the others. A number instead of ``on`` is a fixed score threshold.
+
+The trees are arctic-inference's ``SuffixDecodingCache``, kept per request exactly as vLLM's
+own ``suffix`` method keeps them (started from the prompt at a request's first step, grown by
+its sampled tokens, stopped when it leaves the batch; finished requests' outputs stay in the
+global tree), with the same ``suffix_decoding_*`` settings of vLLM's ``speculative_config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_specstream.config import ConfigError
+
+ENV_SUFFIX_DRAFTS = "SPECSTREAM_SUFFIX_DRAFTS"
+
+#: A fixed threshold's stand-in for the streams' expected accepted drafts where no adaptive
+#: policy estimates them (the user's batch-size schedule).
+SCHEDULED_MIN_SCORE = 1.0
+
+
+def suffix_min_score_from(text: str) -> float | None:
+    """``$SPECSTREAM_SUFFIX_DRAFTS``: unset or ``off`` (None: streams only), ``on`` (nan: the
+    threshold follows the streams' expected tokens per step cost) or a score threshold
+    ``>= 0``."""
+    text = text.strip().lower()
+    if text in ("", "off"):
+        return None
+    if text == "on":
+        return float("nan")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(
+            f"{ENV_SUFFIX_DRAFTS}={text!r}: expected 'on' (suffix drafts where they yield as "
+            "many tokens per step cost as the streams), a score threshold >= 0, or 'off'"
+        )
+    return value
+
+
+def suffix_cache_class():
+    """arctic-inference's ``SuffixDecodingCache`` (vLLM's ``suffix`` method imports it too)."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError as e:
+        raise ConfigError(
+            f"{ENV_SUFFIX_DRAFTS} needs arctic-inference's suffix decoding, which is not "
+            f"importable ({e}); `make suffix-decoding` builds it for this CPU (put its directory "
+            f"on PYTHONPATH), or unset {ENV_SUFFIX_DRAFTS}"
+        ) from e
+    return SuffixDecodingCache
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    """How the suffix trees draft (vLLM's ``suffix_decoding_*`` fields, same defaults)."""
+
+    max_tree_depth: int = 24
+    """Longest match, and deepest draft, in the trees."""
+    max_cached_requests: int = 10000
+    """Finished requests whose outputs stay in the global tree."""
+    max_spec_factor: float = 1.0
+    """Draft at most this many tokens per matched token."""
+    min_token_prob: float = 0.1
+    """A draft stops at a token whose estimated probability is below this."""
+
+    @classmethod
+    def of(cls, spec) -> SuffixSettings:
+        """The settings of vLLM's ``speculative_config`` ``spec`` (defaults where absent)."""
+        base = cls()
+        return cls(
+            **{
+                name: type(getattr(base, name))(
+                    getattr(spec, f"suffix_decoding_{name}", getattr(base, name))
+                )
+                for name in ("max_tree_depth", "max_cached_requests")
+                + ("max_spec_factor", "min_token_prob")
+            }
+        )
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    tokens: list[int]
+    score: float
+    """Sum of the tokens' estimated probabilities (0 without a draft)."""
+
+
+def suffix_rows(drafts: dict[int, SuffixDraft], min_score: float) -> dict[int, list[int]]:
+    """The rows whose suffix draft is taken (score at least ``min_score``, not empty)."""
+    return {r: d.tokens for r, d in drafts.items() if d.tokens and d.score >= min_score}
+
+
+class SuffixDrafts:
+    """The suffix trees of one engine's requests (one per worker)."""
+
+    def __init__(self, settings: SuffixSettings, max_model_len: int, cache=None):
+        self.settings = settings
+        self.max_model_len = max_model_len
+        self.cache = (
+            cache
+            if cache is not None
+            else suffix_cache_class()(
+                max_tree_depth=settings.max_tree_depth,
+                max_cached_requests=settings.max_cached_requests,
+            )
+        )
+
+    def update(
+        self,
+        req_ids: Sequence[str],
+        num_prompt_tokens: Sequence[int],
+        token_ids: np.ndarray,
+        sampled_token_ids: Sequence[Sequence[int]],
+    ) -> None:
+        """A step's sampled tokens: each row's request starts its tree from its prompt (the
+        first time it sampled; again after it was stopped) and grows by them; requests no
+        longer in the batch are stopped (their output stays in the global tree)."""
+        cache = self.cache
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                continue  # a partial prefill chunk
+            req_id = req_ids[i]
+            if req_id not in cache.active_requests:
+                if req_id in cache.cached_requests:
+                    cache.evict_cached_response(req_id)
+                cache.start_request(req_id, token_ids[i, : int(num_prompt_tokens[i])])
+            cache.add_active_response(req_id, list(sampled))
+        for req_id in set(cache.active_requests) - set(req_ids):
+            cache.stop_request(req_id)
+
+    def draft(self, req_id: str, row_tokens: np.ndarray, num_tokens: int, k: int) -> SuffixDraft:
+        """Up to ``k`` tokens continuing ``row_tokens[:num_tokens]`` of an active request."""
+        k = min(k, self.max_model_len - num_tokens - 1)
+        if k <= 0:
+            return SuffixDraft([], 0.0)
+        s = self.settings
+        start = max(0, num_tokens - s.max_tree_depth)
+        draft = self.cache.speculate(
+            req_id,
+            row_tokens[start:num_tokens],
+            max_spec_tokens=k,
+            max_spec_factor=s.max_spec_factor,
+            min_token_prob=s.min_token_prob,
+        )
+        return SuffixDraft([int(t) for t in draft.token_ids], float(draft.score))
