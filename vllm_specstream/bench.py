@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,7 +41,8 @@ logger = init_logger(__name__)
 #: the adaptive policy finds they pay (its width, and pruning where the checkpoint has an
 #: early-exit adapter, chosen per step); ``specstream-tree-fixed`` drafts the whole tree at every
 #: step, never pruned, and ``specstream-tree-pruned`` too, pruned by the checkpoint's early-exit
-#: adapter (``tree_prune``).
+#: adapter (``tree_prune``). ``specstream-suffix`` is specstream with suffix-tree drafts beside
+#: the streams (``$SPECSTREAM_SUFFIX_DRAFTS``, :mod:`vllm_specstream.suffix_drafts`).
 #: ``plain-control`` is a second plain engine: its "speedup" is the run's noise floor
 #: (engines differ by a few percent from one start to the next on small VMs).
 METHODS = (
@@ -453,26 +455,49 @@ def env_setting(cfg: BenchConfig) -> str:
     return ", ".join(knobs)
 
 
+def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop ``proc`` and every process of its group: SIGTERM, ``grace`` seconds for the child
+    to exit, then SIGKILL for whatever is left (engine processes may outlive the child)."""
+    import contextlib
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def run_method(method: str, cfg: BenchConfig, on_progress=lambda: None) -> dict:
     """Run ``method`` in a child process; ``on_progress`` is called after each generate."""
     payload = json.dumps({**asdict(cfg), "_method": method})
     log_path = Path(cfg.out_dir) / f"{method}.log"
     with open(log_path, "w") as log:
+        # Its own process group: vLLM's engine-core and worker processes are the child's,
+        # and an interrupted bench stops them all (else they stay, holding GiBs).
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_specstream.bench", "--child", payload],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
             env=engine_env(cfg, method),
+            start_new_session=True,
         )
         result = None
         assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("PROGRESS"):
-                on_progress()
-            elif line.startswith("RESULT "):
-                result = json.loads(line[7:])
-        code = proc.wait()
+        try:
+            for line in proc.stdout:
+                if line.startswith("PROGRESS"):
+                    on_progress()
+                elif line.startswith("RESULT "):
+                    result = json.loads(line[7:])
+            code = proc.wait()
+        except BaseException:
+            stop_process_group(proc)
+            raise
     if code != 0 or result is None:
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"bench: method {method!r} failed (exit {code}); {log_path}:\n{tail}")
@@ -598,14 +623,23 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Run every method, write ``bench.json``, ``bench.md``, ``bench.png``; return the report."""
+    import signal
+
     from tqdm.auto import tqdm
 
     from vllm_specstream.machine import describe_machine
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends the bench as Ctrl-C does: the running method's engines are stopped.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     per_method = steps_per_method(cfg)
     per_round = []
     total = per_method * len(cfg.methods) * cfg.rounds

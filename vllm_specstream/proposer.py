@@ -318,6 +318,12 @@ class SpecStreamProposer:
         suffix: dict[int, list[int]] = {}
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
+            if req_ids:
+                suffix = self._suffix_choice(
+                    0, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
+                )
+                for r, tokens in suffix.items():
+                    drafts[r] = tokens
         else:
             if req_ids:
                 suffix = self._suffix_choice(
@@ -388,16 +394,25 @@ class SpecStreamProposer:
         """Rows that draft from the suffix trees this step, with their drafts: those whose
         draft scores at least the threshold. ``on``: a suffix step yields ``1 + score``
         tokens at a plain step's cost (no stream pass), a stream step the policy's expected
-        tokens at its step cost; the suffix draft is taken where it yields as much per cost."""
+        tokens at its step cost; the suffix draft is taken where it yields as much per cost.
+        Where the streams do not pay (``k`` 0), suffix drafts of up to
+        ``num_speculative_tokens`` are taken where they score at least 1."""
         min_score = self.suffix_min_score
-        if math.isnan(min_score):
-            min_score = (
-                max(self.streams_yield(len(sampled_token_ids), k) - 1.0, 0.0)
-                if self.policy is not None
-                else SCHEDULED_MIN_SCORE
-            )
-        # As long as the streams' drafts: the policy priced that many verify rows.
-        length = rows_of(k)
+        if k == 0:
+            # The streams do not pay at this step: suffix drafts alone (no stream pass),
+            # where at least one token is expected to be kept.
+            length = self.k
+            if math.isnan(min_score):
+                min_score = SCHEDULED_MIN_SCORE
+        else:
+            # As long as the streams' drafts: the policy priced that many verify rows.
+            length = rows_of(k)
+            if math.isnan(min_score):
+                min_score = (
+                    max(self.streams_yield(len(sampled_token_ids), k) - 1.0, 0.0)
+                    if self.policy is not None
+                    else SCHEDULED_MIN_SCORE
+                )
         drafts = {
             r: self.suffix.draft(req_ids[r], token_ids_cpu[r], int(num_tokens_no_spec[r]), length)
             for r, sampled in enumerate(sampled_token_ids)

@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,3 +272,41 @@ def test_suffix_drafts_are_specstream_suffix_only(dirs, monkeypatch):
     monkeypatch.setattr(bench, "has_suffix_decoding", lambda: False)
     with pytest.raises(ValueError, match="--methods specstream-suffix needs arctic-inference"):
         BenchConfig(checkpoint=str(ckpt), methods=("specstream-suffix",))
+
+
+def test_an_interrupted_method_stops_its_whole_process_group():
+    import subprocess
+    import sys
+    import time
+
+    from vllm_specstream.bench import stop_process_group
+
+    # A child that starts a grandchild in its group (as vLLM starts its engine processes)
+    # and ignores SIGTERM, as a busy engine may.
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(g.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    grandchild = int(proc.stdout.readline())
+    start = time.monotonic()
+    stop_process_group(proc, grace=0.5)
+    proc.wait(timeout=5)
+
+    def alive(pid: int) -> bool:  # a zombie (killed, not yet reaped by init) is not
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 5
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(grandchild), "the grandchild outlived its group"
+    assert time.monotonic() - start < 5

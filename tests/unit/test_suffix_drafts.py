@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_proposer import _Target as ProposerTarget
 
 from vllm_specstream.config import ConfigError
 from vllm_specstream.options import read_options
@@ -136,47 +137,18 @@ def test_real_suffix_trees_draft_what_the_prompt_repeats(monkeypatch):
     assert draft.tokens == [14, 15, 16] and draft.score > 0
 
 
-class _Target:
-    """Two decode requests whose streams drafted at their anchors (rows 1 and 3)."""
-
-    spec_config = None
-    draft_min_prob = 0.0
-    no_stash_reason = None
+class _Target(ProposerTarget):
+    """Two decode requests whose streams drafted at their anchors (rows 1 and 3); records
+    the rows the stream pass ran for."""
 
     def __init__(self):
-        import torch
-
-        from vllm_specstream.model_executor.forward_batch import ForwardBatch
-        from vllm_specstream.model_executor.stash import StreamStash
-
-        self.forward_step = 1
-        table = torch.full((4, 3), -1)
-        table[1] = torch.tensor([11, 12, 13])
-        table[3] = torch.tensor([21, 22, 23])
-        batch = ForwardBatch(
-            query_start_loc=torch.tensor([0, 2, 4]),
-            seq_lens=torch.tensor([12, 12]),
-            block_table=torch.zeros(2, 1, dtype=torch.int32),
-            positions=torch.tensor([10, 11, 10, 11]),
-        )
-        self.stash = StreamStash(1, batch, torch.tensor([100, 101, 200, 201]), table)
-        self.placement = None
-        self.window_streams = 3
+        super().__init__()
+        self.forward()
         self.streams_for: list[list[int]] = []
-
-    def set_placement(self, placement):
-        self.placement = placement
-
-    def default_placement(self):
-        return "accepted"
-
-    def take_stash(self):
-        stash, self.stash = self.stash, None
-        return stash
 
     def draft_at(self, stash, rows, indices, num_streams=0):
         self.streams_for.append(list(rows))
-        return stash.draft_table
+        return super().draft_at(stash, rows, indices, num_streams)
 
 
 def _proposer(monkeypatch, cache, min_score="0.5"):
@@ -269,3 +241,17 @@ def test_without_the_runner_the_streams_draft_alone_and_it_is_said(monkeypatch):
     p._runner = None
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]
     assert p.suffix is None and len(warnings) == 1 and "proposer-runner" in warnings[0]
+
+
+def test_where_the_streams_do_not_pay_suffix_drafts_scoring_one_are_taken(monkeypatch):
+    cache = FakeCache(draft=([7, 8, 9, 10], 0.9))
+    p = _proposer(monkeypatch, cache, min_score="on")
+    monkeypatch.setattr(p, "draft_length", lambda batch_size: 0)
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[], []]
+    cache.next_draft = ([7, 8, 9, 10], 1.2)
+    p.target = _Target()
+    p.target.placement = "accepted"
+    # Up to num_speculative_tokens (3), no stream pass, not timed as a plain step.
+    assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+    assert p.target.streams_for == [] and p.target.window_streams == 0
+    assert p.step_timer.last_k is None
