@@ -26,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -193,7 +192,7 @@ def check_suffix_decoding(method: str = "suffix") -> None:
         raise ValueError(
             f"--methods {method} needs arctic-inference's suffix decoding, which is not "
             f"importable here nor in {SUFFIX_DECODING_DIR}; `make suffix-decoding` builds it "
-            "for this CPU, or drop suffix from --methods"
+            f"for this CPU, or drop {method} from --methods"
         )
 
 
@@ -225,9 +224,7 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
             "model": cfg.medusa,
             "num_speculative_tokens": min(k, medusa_heads(cfg.medusa)),
         }
-    if method == "specstream":
-        return speculative_config(k, **cfg.specstream_options)
-    if method == "specstream-suffix":
+    if method in ("specstream", "specstream-suffix"):  # the latter: the same, with suffix drafts
         return speculative_config(k, **cfg.specstream_options)
     if method == "specstream-fixed":
         return speculative_config(k, **{**cfg.specstream_options, "adaptive": False})
@@ -623,23 +620,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     """Run every method, write ``bench.json``, ``bench.md``, ``bench.png``; return the report."""
-    import signal
-
     from tqdm.auto import tqdm
 
     from vllm_specstream.machine import describe_machine
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM ends the bench as Ctrl-C does: the running method's engines are stopped.
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     per_method = steps_per_method(cfg)
     per_round = []
     total = per_method * len(cfg.methods) * cfg.rounds

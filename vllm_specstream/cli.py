@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -384,8 +385,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"specstream bench: error: {e}", file=sys.stderr)
         return 2
+    # SIGTERM ends the bench as Ctrl-C does: the running method's engines are stopped.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     run_bench(cfg)
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 _TASK_HELP = (

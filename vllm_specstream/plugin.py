@@ -25,6 +25,7 @@ def _apply_patches(vllm_version: str) -> None:
     """Fixes for vLLM itself, each guarded by its version range (see patches/)."""
     from vllm.platforms import current_platform
 
+    from vllm_specstream.options import suffix_drafts_from, tree_top_k_from
     from vllm_specstream.patches import apply_patch
     from vllm_specstream.patches.engine_config_check import ENGINE_CONFIG_CHECK
     from vllm_specstream.patches.lora_adapter_streams import LORA_ADAPTER_STREAMS
@@ -41,36 +42,24 @@ def _apply_patches(vllm_version: str) -> None:
         apply_patch(EXPAND_KERNEL, vllm_version)
         apply_patch(CPU_LORA_OPS, vllm_version)
         apply_patch(CPU_LORA_LINEAR, vllm_version)
-        if _trees_requested():
+        if _requested(tree_top_k_from):
             from vllm_specstream.patches.tree_runner import TREE_RUNNER
 
             apply_patch(TREE_RUNNER, vllm_version)
-    if _suffix_drafts_requested():
+    if _requested(suffix_drafts_from):
         from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER
 
         apply_patch(PROPOSER_RUNNER, vllm_version)
 
 
-def _trees_requested() -> bool:
-    """Whether ``$SPECSTREAM_TREE_TOP_K`` asks for tree drafts (a bad value is the model's
-    error to raise, with the variable named)."""
+def _requested(read) -> bool:
+    """Whether the environment asks for what ``read`` (an option reader of
+    :mod:`vllm_specstream.options`: draft trees, suffix drafts) parses; a bad value is the
+    model's or proposer's error to raise, with the variable named."""
     from vllm_specstream.config import ConfigError
-    from vllm_specstream.options import tree_top_k_from
 
     try:
-        return tree_top_k_from(os.environ) is not None
-    except ConfigError:
-        return False
-
-
-def _suffix_drafts_requested() -> bool:
-    """Whether ``$SPECSTREAM_SUFFIX_DRAFTS`` asks for suffix drafts (a bad value is the
-    proposer's error to raise, with the variable named)."""
-    from vllm_specstream.config import ConfigError
-    from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS, suffix_min_score_from
-
-    try:
-        return suffix_min_score_from(os.environ.get(ENV_SUFFIX_DRAFTS, "")) is not None
+        return read(os.environ) is not None
     except ConfigError:
         return False
 

@@ -315,25 +315,20 @@ class SpecStreamProposer:
             streams if self.tree is None else min(streams, self.tree.num_streams)
         )
         self.target.window_streams_batch = len(sampled_token_ids)
-        suffix: dict[int, list[int]] = {}
+        suffix = (
+            self._suffix_choice(k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            if req_ids
+            else {}
+        )
         if k == 0:
             drafts = [[] for _ in sampled_token_ids]
-            if req_ids:
-                suffix = self._suffix_choice(
-                    0, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
-                )
-                for r, tokens in suffix.items():
-                    drafts[r] = tokens
         else:
-            if req_ids:
-                suffix = self._suffix_choice(
-                    k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
-                )
             drafts, why_none = self._drafts(
                 stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, skip=suffix
             )
-            for r, tokens in suffix.items():
-                drafts[r] = tokens
+        for r, tokens in suffix.items():
+            drafts[r] = tokens
+        if k != 0:
             expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
             self.watch.step(expected, any(drafts), why_none)
         self._suffix_reqs = {req_ids[r] for r in suffix}

@@ -20,7 +20,7 @@ global tree), with the same ``suffix_decoding_*`` settings of vLLM's ``speculati
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -84,15 +84,11 @@ class SuffixSettings:
     def of(cls, spec) -> SuffixSettings:
         """The settings of vLLM's ``speculative_config`` ``spec`` (defaults where absent)."""
         base = cls()
-        return cls(
-            **{
-                name: type(getattr(base, name))(
-                    getattr(spec, f"suffix_decoding_{name}", getattr(base, name))
-                )
-                for name in ("max_tree_depth", "max_cached_requests")
-                + ("max_spec_factor", "min_token_prob")
-            }
-        )
+        values = {}
+        for f in fields(cls):
+            default = getattr(base, f.name)
+            values[f.name] = type(default)(getattr(spec, f"suffix_decoding_{f.name}", default))
+        return cls(**values)
 
 
 @dataclass(frozen=True)
