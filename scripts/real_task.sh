@@ -7,6 +7,9 @@
 # Resumable: run it again and every run continues from its last checkpoint; finished
 # exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs;
 # OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
+# OBJECTIVES=self-distill continues the trained specstream adapter on its own greedy replies
+# (written with vLLM by the adapter merged; SD_STEPS steps, default 200, small LoRA learning
+# rate) into RUNS/TASK-specstream-sd, then merges and evaluates it.
 # SPECSTREAM_TRAIN_CORE=N pins the training to one core (1 thread), leaving the other free.
 # SPECSTREAM_DEVICE=cuda trains on a GPU; SPECSTREAM_EVAL=0 trains and exports only (run the
 # script again without it, e.g. on the CPU machine, for the evaluations and the model card);
@@ -72,6 +75,16 @@ if [ -s "$R-specstream-eval.json" ]; then
     $BIN/python -m vllm_specstream.training.model_card "$R-specstream" \
         --eval "$R-specstream-eval.json" "${baseline[@]}" \
         --command "bash scripts/real_task.sh $TASK $DATA RUNS $STEPS"
+fi
+
+if has self-distill; then
+    "${RUN[@]}" $BIN/specstream train --out "$R-specstream-sd" --objective specstream \
+        "${COMMON[@]}" --init-from "$R-specstream" --distill "$R-specstream-sd/self_distill.jsonl" \
+        --init-rank 32 --steps "${SD_STEPS:-200}" --lr 5e-5 --stream-lr 1e-2 --a-j 0.3
+    [ -f "$R-specstream-sd-merged/config.json" ] ||
+        $BIN/specstream export "$R-specstream-sd" "$R-specstream-sd-merged" --merge
+    [ "$EVAL_HERE" = 0 ] || [ -s "$R-specstream-sd-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+        --checkpoint "$R-specstream-sd-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-specstream-sd-eval.json"
 fi
 
 # Streams on the frozen base (OBJECTIVES=streams-only): trained on the base model's own

@@ -166,11 +166,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         pack=args.pack,
         frozen_prefix=args.frozen_prefix,
     )
+    # streams-only, and a run continuing an adapter (--init-from), write the replies they
+    # lack into the --distill file; other runs only read it
+    continues = bool(args.init_from) and args.objective in ("specstream", "ntp")
     if args.distill:
-        # streams-only writes the replies it lacks into it; other objectives only read it
-        train_args.distill = _distill_file(args.distill, args.objective != "streams-only")
+        writes = args.objective == "streams-only" or continues
+        train_args.distill = _distill_file(args.distill, not writes)
     if args.objective == "streams-only":
         train_args.distill = str(_self_distill(train_args, args))
+    elif args.distill and continues:
+        train_args.distill = str(_self_distill(train_args, args, adapter=args.init_from))
     train(train_args)
     return 0
 
@@ -197,10 +202,18 @@ def _distill_file(path: str, must_exist: bool) -> str:
     return str(p)
 
 
-def _self_distill(train_args, args: argparse.Namespace) -> Path:
-    """The base model's replies to the run's prompts (train and held out), made with vLLM
-    and cached in ``--distill`` if given, else in the run's directory."""
-    from vllm_specstream.distill import DISTILL_FILE, DistillSettings, distill_replies
+def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = None) -> Path:
+    """The replies of the model the run drafts for (the base; with ``adapter``, that adapter
+    merged into the base) to the run's prompts (train and held out), made with vLLM and
+    cached in ``--distill`` if given, else in the run's directory."""
+    import tempfile
+
+    from vllm_specstream.distill import (
+        DISTILL_FILE,
+        DistillSettings,
+        distill_replies,
+        replies_missing,
+    )
     from vllm_specstream.training.train import load_examples
 
     examples = [
@@ -209,7 +222,16 @@ def _self_distill(train_args, args: argparse.Namespace) -> Path:
     ]
     settings = DistillSettings(max_tokens=args.distill_max_tokens, dtype=args.distill_dtype)
     path = Path(train_args.distill or Path(args.out) / DISTILL_FILE)
-    return distill_replies(train_args.base, examples, path, settings)
+    if adapter is None:
+        return distill_replies(train_args.base, examples, path, settings)
+    if not replies_missing(examples, path):
+        return path
+    from vllm_specstream.training.checkpoint import export_merged
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.out, prefix="distill-model-") as tmp:
+        merged = export_merged(adapter, Path(tmp) / "merged", base=train_args.base)
+        return distill_replies(str(merged), examples, path, settings)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -487,22 +509,24 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--distill",
         metavar="FILE",
-        help="learn the base model's own replies (a self_distill.jsonl, or the streams-only "
-        "run directory holding one) instead of the task's references: e.g. Medusa heads on "
-        "the frozen base trained on the same replies as a streams-only adapter",
+        help="learn the model's own greedy replies (a self_distill.jsonl, or the streams-only "
+        "run directory holding one) instead of the task's references: with --init-from, "
+        "the replies of that adapter merged (generated with vLLM into FILE where missing), so "
+        "that its streams learn what it says; with medusa, e.g. the replies a streams-only "
+        "run wrote for the same base",
     )
     p.add_argument(
         "--distill-max-tokens",
         type=int,
         default=256,
-        help="streams-only: longest reply of the base model to learn from",
+        help="streams-only and --init-from with --distill: longest reply to learn from",
     )
     p.add_argument(
         "--distill-dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="streams-only: dtype of the vLLM engine that writes the replies (that of the "
-        "deployment)",
+        help="streams-only and --init-from with --distill: dtype of the vLLM engine that "
+        "writes the replies (that of the deployment)",
     )
     p.add_argument("--medusa-heads", type=int, default=4, help="heads for --objective medusa")
     p.add_argument("--num-streams", type=int, default=4, help="gamma")

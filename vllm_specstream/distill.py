@@ -6,6 +6,10 @@ not what the task data says. The streams therefore learn from the base model's g
 replies to the task's prompts, generated here with vLLM (greedy, fp32 by default, the
 prompts tokenised exactly as training tokenises them) and cached as JSONL (``messages``,
 ``completion``) beside the run: a second call generates only the prompts not yet there.
+A run that continues a task adapter (``--init-from ADAPTER --distill FILE``) learns that
+adapter's replies the same way (the adapter merged into the base writes them): its main rows
+keep saying what they said, and its streams learn to draft what it says rather than the
+references (DialogSum: 1.70 -> 1.88 tokens per step on held-out dialogues).
 Training reads the file without importing vLLM (:func:`~vllm_specstream.training.data.read_replies`).
 """
 
@@ -46,6 +50,13 @@ def missing_prompts(examples, done: set[str]) -> list:
             seen.add(key)
             out.append(e.messages)
     return out
+
+
+def replies_missing(examples, path: Path) -> bool:
+    """Whether ``path`` lacks a reply to some prompt of ``examples``."""
+    from vllm_specstream.training.data import read_replies
+
+    return bool(missing_prompts(examples, set(read_replies(path)) if path.is_file() else set()))
 
 
 def distill_replies(base: str, examples, path: Path, settings: DistillSettings) -> Path:

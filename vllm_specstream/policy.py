@@ -204,6 +204,19 @@ class WindowEntry:
         return f"k{self.k}-entry"
 
 
+@dataclass(frozen=True)
+class SuffixStep:
+    """A step whose requests all verify suffix-tree drafts of up to ``k`` tokens and whose
+    forward runs no streams (:mod:`vllm_specstream.suffix_drafts`). A cost key, not a choice:
+    such steps are timed on their own so that a suffix draft is priced at what its step
+    costs (the verify rows, the trees' bookkeeping), a plain step's cost until timed."""
+
+    k: int
+
+    def __str__(self) -> str:
+        return f"suffix{self.k}"
+
+
 #: A step's drafts per request: 0 (none), a chain of that many (its streams in the window
 #: or at the anchors), or a tree.
 Choice = int | AnchoredChain | TreeChoice
@@ -213,7 +226,9 @@ def rows_of(choice: Choice) -> int:
     """Draft rows per request a step of ``choice`` verifies."""
     if isinstance(choice, TreeChoice):
         return choice.nodes
-    return choice.k if isinstance(choice, (AnchoredChain, WindowEntry)) else int(choice)
+    if isinstance(choice, (AnchoredChain, WindowEntry, SuffixStep)):
+        return choice.k
+    return int(choice)
 
 
 def tree_widths(num_nodes: int, chain: int) -> list[int]:
@@ -402,6 +417,8 @@ class MeasuredCost:
         own = self.measured_ratio(batch_size, k)
         if own is not None:
             return own
+        if isinstance(k, SuffixStep):
+            return 1.0  # no stream pass; its verify rows are timed once it has steps
         if isinstance(k, WindowEntry):
             # untimed: the anchored pass (an anchored chain's extra over a plain step) on
             # top of the window step
@@ -593,7 +610,7 @@ class DraftPolicy:
         if isinstance(self.cost, MeasuredCost):
             bucket = batch_bucket(batch_size)
             entries = [WindowEntry(k) for k in range(1, self.k_max + 1)] if self.anchored else []
-            keys = [0, *self.lengths(), *entries]
+            keys = [0, *self.lengths(), *entries, SuffixStep(self.k_max)]
             medians = {k: m for k in keys if (m := self.cost._median(bucket, k))}
             measured = " ".join(f"{_label(k)}:{1e3 * m:.1f}" for k, m in medians.items())
             line += (
@@ -738,7 +755,9 @@ class DraftPolicy:
 
 
 def _label(k: Choice) -> str:
-    return str(k) if isinstance(k, (TreeChoice, AnchoredChain, WindowEntry)) else f"k{k}"
+    return (
+        str(k) if isinstance(k, (TreeChoice, AnchoredChain, WindowEntry, SuffixStep)) else f"k{k}"
+    )
 
 
 def lookup_length(lookup: Sequence[int], batch_size: int) -> int:

@@ -31,6 +31,7 @@ from vllm_specstream.policy import (
     DraftPolicy,
     MeasuredCost,
     StepTimer,
+    SuffixStep,
     TreeChoice,
     WindowEntry,
     lookup_length,
@@ -355,7 +356,14 @@ class SpecStreamProposer:
                 elif from_anchors != anchored or (not anchored and window_ran < k):
                     timed_as = None
             if suffix:
-                timed_as = None  # a step verifying suffix drafts is no stream choice's
+                # A step verifying suffix drafts only, with no stream pass, is timed as such
+                # (its cost prices the next suffix drafts); one mixing sources is not timed.
+                copies_only = self.target.window_streams == 0 and all(
+                    not d or r in suffix for r, d in enumerate(drafts)
+                )
+                timed_as = SuffixStep(self.k) if copies_only else None
+                if copies_only:
+                    k = timed_as
             self.step_timer.proposed(
                 timed_as if any(drafts) else 0, k if timed_as is None else timed_as
             )
@@ -385,14 +393,22 @@ class SpecStreamProposer:
         """Tokens per plain step's cost the policy expects of stream drafts ``k``."""
         return self.policy.expected_speedup(batch_size, k)
 
+    def suffix_step_cost(self, batch_size: int) -> float:
+        """A step verifying suffix drafts only, over a plain step: as timed in this engine
+        (verify rows, no stream pass), 1.0 before it has enough such steps."""
+        cost = self.policy.cost if self.policy is not None else None
+        return cost.ratio(batch_size, SuffixStep(self.k)) if isinstance(cost, MeasuredCost) else 1.0
+
     def _suffix_choice(self, k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         """Rows that draft from the suffix trees this step, with their drafts: those whose
         draft scores at least the threshold. ``on``: a suffix step yields ``1 + score``
-        tokens at a plain step's cost (no stream pass), a stream step the policy's expected
-        tokens at its step cost; the suffix draft is taken where it yields as much per cost.
+        tokens at the cost such steps are timed at (no stream pass; a plain step's until
+        timed), a stream step the policy's expected tokens at its step cost; the suffix
+        draft is taken where it yields as much per cost.
         Where the streams do not pay (``k`` 0), suffix drafts of up to
         ``num_speculative_tokens`` are taken where they score at least 1."""
         min_score = self.suffix_min_score
+        n = len(sampled_token_ids)
         if k == 0:
             # The streams do not pay at this step: suffix drafts alone (no stream pass),
             # where at least one token is expected to be kept.
@@ -404,7 +420,7 @@ class SpecStreamProposer:
             length = rows_of(k)
             if math.isnan(min_score):
                 min_score = (
-                    max(self.streams_yield(len(sampled_token_ids), k) - 1.0, 0.0)
+                    max(self.streams_yield(n, k) * self.suffix_step_cost(n) - 1.0, 0.0)
                     if self.policy is not None
                     else SCHEDULED_MIN_SCORE
                 )

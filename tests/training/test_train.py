@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -321,6 +322,47 @@ def test_distill_option_feeds_medusa_the_streams_only_runs_replies(tiny_base, tm
     args.distill = _distill_file(str(run), must_exist=True)
     assert {e.completion for e in load_examples(args, "train", 16)} == {"SELECT 2"}
     assert (train(args, progress=False) / "config.json").is_file()
+
+
+def test_continuing_an_adapter_learns_its_own_replies(tiny_base, tmp_path, monkeypatch):
+    """``--init-from ADAPTER --distill FILE``: the replies FILE lacks are written by the
+    adapter merged into the base (vLLM's generation stubbed here), in a directory removed
+    afterwards, and the run learns them; run again with every reply there, nothing is merged."""
+    from vllm_specstream import cli, distill
+
+    trained = train(args_for(tiny_base, tmp_path / "ss", steps=2), progress=False)
+    models = []
+
+    def replies(model, examples, path, settings):
+        models.append(model)
+        assert (Path(model) / "config.json").is_file()  # a merged checkpoint vLLM can load
+        path.write_text(
+            "".join(
+                json.dumps({"messages": e.messages, "completion": "SELECT 3"}) + "\n"
+                for e in examples
+            )
+        )
+        return path
+
+    monkeypatch.setattr(distill, "distill_replies", replies)
+    out, file = tmp_path / "sd", tmp_path / "replies.jsonl"
+    argv = [
+        "train", "--base", str(tiny_base), "--out", str(out), "--task", "sql",
+        "--init-from", str(trained), "--distill", str(file), "--num-train", "16",
+        "--num-eval", "4", "--batch-size", "2", "--num-streams", "2", "--num-msa-layers", "2",
+        "--lora-rank", "4", "--lora-layers", "msa", "--steps", "1",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert len(models) == 1 and Path(models[0]).parent.parent == out
+    assert not Path(models[0]).exists()
+    recorded = json.loads((out / "train_args.json").read_text())
+    assert recorded["distill"] == str(file) and recorded["init_from"] == str(trained)
+    assert cli.main([*argv[:-1], "2"]) == 0
+    assert len(models) == 1
+    # Without --init-from the file must exist: nothing would say whose replies to write.
+    fresh = ["train", "--base", str(tiny_base), "--out", str(tmp_path / "x"), "--task", "sql"]
+    with pytest.raises(SystemExit, match="no such file"):
+        cli.main([*fresh, "--distill", str(tmp_path / "none.jsonl")])
 
 
 def test_prune_objective_adds_the_pruning_adapter_to_a_trained_one(tiny_base, tmp_path):

@@ -9,6 +9,7 @@ from test_proposer import _Target as ProposerTarget
 
 from vllm_specstream.config import ConfigError
 from vllm_specstream.options import read_options
+from vllm_specstream.policy import SuffixStep
 from vllm_specstream.suffix_drafts import (
     ENV_SUFFIX_DRAFTS,
     SuffixDraft,
@@ -206,6 +207,8 @@ def test_every_request_copying_runs_no_window_streams_next(monkeypatch):
     p = _proposer(monkeypatch, FakeCache(draft=([7, 8, 9], 3.0)))
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     assert p.target.streams_for == [] and p.target.window_streams == 0
+    # The next step verifies suffix drafts only and runs no streams: timed on its own.
+    assert p.step_timer.last_k == SuffixStep(3)
     # The next step's verified suffix drafts are left out of the streams' estimate.
     before = p.policy.stats.proposed.copy()
     p.target.forward_step += 1
@@ -251,7 +254,28 @@ def test_where_the_streams_do_not_pay_suffix_drafts_scoring_one_are_taken(monkey
     cache.next_draft = ([7, 8, 9, 10], 1.2)
     p.target = _Target()
     p.target.placement = "accepted"
-    # Up to num_speculative_tokens (3), no stream pass, not timed as a plain step.
+    # Up to num_speculative_tokens (3), no stream pass, timed as a suffix step.
     assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     assert p.target.streams_for == [] and p.target.window_streams == 0
-    assert p.step_timer.last_k is None
+    assert p.step_timer.last_k == SuffixStep(3)
+
+
+def test_on_prices_a_suffix_step_at_its_timed_cost(monkeypatch):
+    """The threshold is the streams' yield times what a suffix-only step is timed at, less
+    one: before any such step a plain step's cost, after them their median over plain's."""
+    cache = FakeCache(draft=([7, 8, 9], 0.8))
+    p = _proposer(monkeypatch, cache, min_score="on")
+    monkeypatch.setattr(p, "streams_yield", lambda batch_size, k: 1.6)
+    assert p.suffix_step_cost(2) == 1.0
+    # 1.8 tokens at a plain step's cost beat the streams' 1.6: copied
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+    for _ in range(8):  # plain steps of 10 ms, suffix-only steps of 13 ms at batch 2
+        p.policy.cost.record(2, 0, 0.010)
+        p.policy.cost.record(2, SuffixStep(3), 0.013)
+    assert p.suffix_step_cost(2) == pytest.approx(1.3)
+    # 1.8 tokens at 1.3 plain steps no longer do (1.6 x 1.3 - 1 = 1.08 > 0.8): the streams draft
+    p.target = _Target()
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]
+    cache.next_draft = ([7, 8, 9], 1.1)
+    p.target = _Target()
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]

@@ -69,8 +69,9 @@ class TrainArgs:
     settings)."""
     distill: str | None = None
     """Self-distillation file (JSONL of ``messages`` and ``completion``): every example's
-    completion is replaced by the base model's own greedy reply to its prompt, so that
-    the streams learn what the model they draft for will say (objective streams-only)."""
+    completion is replaced by the model's own greedy reply to its prompt (the base's for
+    streams-only and Medusa heads, the ``init_from`` adapter's when continuing one), so that
+    the streams learn what the model they draft for will say."""
     medusa_heads: int = 4
     """Number of Medusa heads (objective "medusa")."""
     spec: SpecStreamConfig = field(default_factory=SpecStreamConfig)
