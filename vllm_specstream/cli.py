@@ -212,7 +212,7 @@ def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = No
         DISTILL_FILE,
         DistillSettings,
         distill_replies,
-        replies_missing,
+        prompts_without_reply,
     )
     from vllm_specstream.training.train import load_examples
 
@@ -224,7 +224,7 @@ def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = No
     path = Path(train_args.distill or Path(args.out) / DISTILL_FILE)
     if adapter is None:
         return distill_replies(train_args.base, examples, path, settings)
-    if not replies_missing(examples, path):
+    if not prompts_without_reply(examples, path):
         return path
     from vllm_specstream.training.checkpoint import export_merged
 

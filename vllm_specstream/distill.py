@@ -53,11 +53,11 @@ def missing_prompts(examples, done: set[str]) -> list:
     return out
 
 
-def replies_missing(examples, path: Path) -> bool:
-    """Whether ``path`` lacks a reply to some prompt of ``examples``."""
+def prompts_without_reply(examples, path: Path) -> list:
+    """The distinct prompts of ``examples`` that the file ``path`` (if any) has no reply to."""
     from vllm_specstream.training.data import read_replies
 
-    return bool(missing_prompts(examples, set(read_replies(path)) if path.is_file() else set()))
+    return missing_prompts(examples, set(read_replies(path)) if path.is_file() else set())
 
 
 def distill_replies(base: str, examples, path: Path, settings: DistillSettings) -> Path:
@@ -66,10 +66,9 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
     what it made)."""
     from transformers import AutoTokenizer
 
-    from vllm_specstream.training.data import prompt_ids, read_replies
+    from vllm_specstream.training.data import prompt_ids
 
-    done = set(read_replies(path)) if path.is_file() else set()
-    todo = missing_prompts(examples, done)
+    todo = prompts_without_reply(examples, path)
     if not todo:
         logger.info("Self-distillation: %s has a reply for each of the prompts", path)
         return path

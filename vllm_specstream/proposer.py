@@ -362,8 +362,6 @@ class SpecStreamProposer:
                     not d or r in suffix for r, d in enumerate(drafts)
                 )
                 timed_as = SuffixStep(self.k) if copies_only else None
-                if copies_only:
-                    k = timed_as
             self.step_timer.proposed(
                 timed_as if any(drafts) else 0, k if timed_as is None else timed_as
             )

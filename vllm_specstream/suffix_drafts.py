@@ -9,7 +9,8 @@ draft where its score (the sum of its tokens' estimated probabilities: expected 
 tokens) makes the step yield as many tokens per cost as the streams are expected to (the
 adaptive policy's expected tokens over its step cost; a step with suffix drafts only runs no
 stream pass and is priced as such steps are timed in the engine, as a plain step until then),
-and then skips the stream pass for that request; the streams draft for the others. A number instead of ``on`` is a fixed score threshold.
+and then skips the stream pass for that request; the streams draft for the others. A number
+instead of ``on`` is a fixed score threshold.
 
 The trees are arctic-inference's ``SuffixDecodingCache``, kept per request exactly as vLLM's
 own ``suffix`` method keeps them (started from the prompt at a request's first step, grown by
