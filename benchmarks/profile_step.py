@@ -5,8 +5,9 @@ Runs the engine in this process, wraps the plugin's pieces and vLLM's model-runn
 for decode steps only (prefill steps are left out; ``--prefill``: those alone), the median
 time per step of each range and of the whole step (``execute_model`` + ``sample_tokens``,
 which runs the proposer), then with ``--ops`` the top operators by self time. Compare
-``--k 0`` (plain) with ``--k 4``. With ``--lora NAME=DIR`` (repeatable) CKPT is a base
-served with those adapters (vLLM multi-LoRA, request ``i`` on adapter ``i mod A``), and the
+``--k 0`` (plain) with ``--k 4``, and with vLLM's own method at the same ``k``
+(``--vllm-method suffix``). With ``--lora NAME=DIR`` (repeatable) CKPT is a base served with
+those adapters (vLLM multi-LoRA, request ``i`` on adapter ``i mod A``), and the
 LoRA ops, the per-step adapter mapping and vLLM's punica metadata update are ranges of their
 own: against the adapters' merged checkpoint, what vLLM's CPU LoRA path costs a step.
 
@@ -109,6 +110,12 @@ def main() -> None:
     ap.add_argument("--json", help="write the medians per batch size here")
     ap.add_argument("--placement", help="window or accepted (default: the proposer's)")
     ap.add_argument(
+        "--vllm-method",
+        choices=("ngram", "suffix"),
+        help="with --k: vLLM's own speculative method instead of specstream (its step beside "
+        "specstream's; suffix needs arctic-inference on PYTHONPATH, `make suffix-decoding`)",
+    )
+    ap.add_argument(
         "--adaptive",
         action="store_true",
         help="the default adaptive policy (else every step drafts k): with --k, a speculating "
@@ -190,7 +197,9 @@ def main() -> None:
         configs = [Path(r.lora_path) / "adapter_config.json" for r in loras]
         rank = max(json.loads(c.read_text())["r"] for c in configs)
         kw.update(enable_lora=True, max_loras=len(loras), max_lora_rank=rank)
-    if args.k:
+    if args.k and args.vllm_method:
+        kw["speculative_config"] = {"method": args.vllm_method, "num_speculative_tokens": args.k}
+    elif args.k:
         never = {"num_speculative_tokens_per_batch_size": [(1, 1 << 16, 0)]}
         kw["speculative_config"] = speculative_config(
             args.k,

@@ -106,6 +106,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if task is None and not args.data:
         print(f"specstream train: error: --task {args.task} needs --data FILE", file=sys.stderr)
         return 2
+    if args.lora_lr is not None and not args.lora_lr >= 0:
+        print(f"specstream train: error: --lora-lr {args.lora_lr}: must be >= 0", file=sys.stderr)
+        return 2
     # The split settings only mean something for a task file.
     split = (
         {"val_fraction": args.val_fraction, "split_seed": args.split_seed}
@@ -151,6 +154,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
         lr=args.lr,
+        lora_lr=args.lora_lr,
         stream_lr=args.stream_lr,
         stream_init_std=args.stream_init_std,
         stream_init_scale=args.stream_init_scale,
@@ -552,6 +556,13 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument(
+        "--lora-lr",
+        type=float,
+        help="learning rate of the main model's LoRA alone (default: --lr); 0 freezes it: "
+        "with --init-from and --distill the streams learn the adapter's own replies while "
+        "its outputs stay exactly what they were",
+    )
     p.add_argument("--stream-lr", type=float, default=2e-2)
     p.add_argument(
         "--stream-init-std", type=float, default=0.02, help="used with --stream-init-scale 0"

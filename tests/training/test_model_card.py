@@ -84,3 +84,9 @@ def test_card_has_the_three_models_and_vllm_rows(tmp_path):
     main([str(adapter), "--eval", str(tmp_path / "eval.json"), "--command", "cmd"])
     card = (adapter / "README.md").read_text()
     assert "tokens_per_step, tree" not in card and "Chain decoding only" in card
+    assert "| learning rates | LoRA 0.0005, stream embeddings 0.02 |" in card
+    # A run with the main LoRA frozen (--lora-lr 0) says so.
+    (adapter / "train_args.json").write_text(json.dumps({**args, "lora_lr": 0.0}))
+    main([str(adapter), "--eval", str(tmp_path / "eval.json"), "--command", "cmd"])
+    card = (adapter / "README.md").read_text()
+    assert "| learning rates | main LoRA frozen, stream init adapter 0.0005, stream " in card

@@ -324,6 +324,31 @@ def test_distill_option_feeds_medusa_the_streams_only_runs_replies(tiny_base, tm
     assert (train(args, progress=False) / "config.json").is_file()
 
 
+def test_a_frozen_lora_keeps_the_adapter_and_trains_its_streams(tiny_base, tmp_path):
+    """``lora_lr`` 0 continuing an adapter: its LoRA comes out bit-identical (what it says is
+    unchanged) while the stream embeddings and the stream init adapter learn."""
+    spec = SpecStreamConfig(num_streams=2, num_msa_layers=2, init_rank=4)
+    start = args_for(tiny_base, tmp_path / "first", steps=2)
+    start.spec = spec
+    first = train(start, progress=False)
+    frozen = args_for(tiny_base, tmp_path / "frozen", steps=2, init_from=str(first))
+    frozen.spec, frozen.lora_lr, frozen.lr = spec, 0.0, 1e-2
+    train(frozen, progress=False)
+    load = lambda d, name: load_file(str(d / name))  # noqa: E731
+    lora_before = load(first, "adapter_model.safetensors")
+    lora_after = load(tmp_path / "frozen", "adapter_model.safetensors")
+    assert lora_before.keys() == lora_after.keys() and lora_before
+    for k in lora_before:
+        torch.testing.assert_close(lora_after[k], lora_before[k], rtol=0, atol=0)
+    streams_before = load(first, "specstream.safetensors")
+    streams_after = load(tmp_path / "frozen", "specstream.safetensors")
+    for name in ("stream_embeddings", "init_a", "init_b"):
+        key = next(k for k in streams_before if k.endswith(name))
+        assert not torch.equal(streams_after[key], streams_before[key]), key
+    recorded = json.loads((tmp_path / "frozen" / "train_args.json").read_text())
+    assert recorded["lora_lr"] == 0.0
+
+
 def test_continuing_an_adapter_learns_its_own_replies(tiny_base, tmp_path, monkeypatch):
     """``--init-from ADAPTER --distill FILE``: the replies FILE lacks are written by the
     adapter merged into the base (vLLM's generation stubbed here), in a directory removed

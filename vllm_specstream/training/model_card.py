@@ -71,6 +71,17 @@ def _bench_section(bench: dict | None) -> str:
 """
 
 
+def _learning_rates(args: dict) -> str:
+    """The run's learning rates (the main LoRA's apart when it had its own)."""
+    lora_lr = args.get("lora_lr")
+    if lora_lr is None or lora_lr == args["lr"]:
+        return f"LoRA {args['lr']}, stream embeddings {args['stream_lr']}"
+    main = "frozen" if lora_lr == 0 else lora_lr
+    return (
+        f"main LoRA {main}, stream init adapter {args['lr']}, stream embeddings {args['stream_lr']}"
+    )
+
+
 def write_model_card(
     adapter_dir: str | Path,
     command: str,
@@ -116,7 +127,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | loss weights (a0, a_j) | {spec["loss"]["a0"]}, {spec["loss"]["a_j"]} |
 | LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules", []))} |
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
-| learning rates | LoRA {args["lr"]}, stream embeddings {args["stream_lr"]} |
+| learning rates | {_learning_rates(args)} |
 | wall time | {wall_text} of training (sum over resumed runs) on {args.get("trained_on") or describe_machine()} |
 {"" if not note else chr(10) + note + chr(10)}
 ## Measured on {_measured_on(result)} ({result["num_prompts"]} prompts, greedy)

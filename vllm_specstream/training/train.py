@@ -81,6 +81,10 @@ class TrainArgs:
     grad_accum: int = 1
     lr: float = 2e-4
     """Learning rate of LoRA (and the small adapters)."""
+    lora_lr: float | None = None
+    """Learning rate of the main model's LoRA alone (None: ``lr``). 0 freezes it: continuing
+    an adapter (``init_from``) on its own replies (``distill``), the streams and the stream
+    init adapter learn while the adapter's outputs stay exactly what they were."""
     stream_lr: float = 2e-2
     """Learning rate of the stream embeddings: they must grow to the scale of the residual
     stream (norm in the hundreds) to make streams differ from the main stream."""
@@ -363,10 +367,24 @@ class SpecStreamJob:
         model, args = self.model, self.args
         if args.objective == "prune":
             return [{"params": [model.prune_a, model.prune_b], "lr": args.lr, "weight_decay": 0.0}]
-        other = [
-            p for n, p in model.named_parameters() if p.requires_grad and n != "stream_embeddings"
+        named = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if p.requires_grad and n != "stream_embeddings"
         ]
-        groups = [{"params": other, "lr": args.lr, "weight_decay": 0.0}]
+        lora_lr = args.lr if args.lora_lr is None else args.lora_lr
+        if lora_lr == args.lr:
+            groups = [{"params": [p for _, p in named], "lr": args.lr, "weight_decay": 0.0}]
+        else:
+            lora = [p for n, p in named if ".lora_" in n]  # PEFT's lora_A / lora_B
+            other = [p for n, p in named if ".lora_" not in n]
+            groups = [{"params": other, "lr": args.lr, "weight_decay": 0.0}]
+            if lora_lr > 0:
+                groups.append({"params": lora, "lr": lora_lr, "weight_decay": 0.0})
+            else:
+                # Frozen: the main stream then runs without autograd (``main_trains``).
+                for p in lora:
+                    p.requires_grad_(False)
         if args.objective in STREAM_OBJECTIVES:
             groups.append(
                 {"params": [model.stream_embeddings], "lr": args.stream_lr, "weight_decay": 0.0}
