@@ -376,13 +376,16 @@ class SpecStreamJob:
         if lora_lr == args.lr:
             groups = [{"params": [p for _, p in named], "lr": args.lr, "weight_decay": 0.0}]
         else:
-            lora = [p for n, p in named if ".lora_" in n]  # PEFT's lora_A / lora_B
-            other = [p for n, p in named if ".lora_" not in n]
+            # The main model's trainable parameters (its LoRA) are those of ``model.lm``, the
+            # set ``main_trains`` reads; the stream tensors live on the wrapper.
+            main = {id(p) for p in model.lm.parameters()}
+            lora = [p for _, p in named if id(p) in main]
+            other = [p for _, p in named if id(p) not in main]
             groups = [{"params": other, "lr": args.lr, "weight_decay": 0.0}]
             if lora_lr > 0:
                 groups.append({"params": lora, "lr": lora_lr, "weight_decay": 0.0})
             else:
-                # Frozen: the main stream then runs without autograd (``main_trains``).
+                # Frozen: the main stream then runs without autograd.
                 for p in lora:
                     p.requires_grad_(False)
         if args.objective in STREAM_OBJECTIVES:
