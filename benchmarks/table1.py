@@ -77,8 +77,18 @@ TASKS = (
     ),
 )
 #: Methods of ``specstream bench``, in the order of the table (``plain-control``: a second
-#: plain engine, the run's noise floor).
-METHODS = ("plain", "plain-control", "ngram", "suffix", "medusa", "specstream", "specstream-tree")
+#: plain engine, the run's noise floor; ``specstream-suffix``: suffix-tree drafts beside the
+#: streams, opt-in).
+METHODS = (
+    "plain",
+    "plain-control",
+    "ngram",
+    "suffix",
+    "medusa",
+    "specstream",
+    "specstream-suffix",
+    "specstream-tree",
+)
 
 
 def _read(path: Path) -> dict | None:

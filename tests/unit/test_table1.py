@@ -93,3 +93,13 @@ def test_the_adapters_evaluations_serve_every_class(table1, tmp_path):
 
     rows = {r["method"]: r for r in table1.task_rows(task, tmp_path, "avx512_bf16")}
     assert rows["specstream"]["metric"] == "85.0 / 80.0"
+
+
+def test_methods_come_in_the_tables_order_whatever_the_runs(table1, tmp_path):
+    task = table1.Task("dialogsum", "DialogSum", ("rouge1",), 2.62, (("avx2", "r/bench.json"),))
+    ran = ("specstream-tree", "suffix", "specstream-suffix", "plain", "specstream", "ngram")
+    _write(tmp_path / "dialogsum" / "r" / "bench.json", {"rows": [_bench_row(m) for m in ran]})
+
+    got = [r["method"] for r in table1.task_rows(task, tmp_path) if r["speedup"] is not None]
+
+    assert got == ["plain", "ngram", "suffix", "specstream", "specstream-suffix", "specstream-tree"]
