@@ -115,6 +115,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.data and task in PUBLIC_TASKS
         else {}
     )
+    if args.sql_rename_copies and not (args.data and task == "sql"):
+        print(
+            "specstream train: error: --sql-rename-copies needs --task sql --data FILE "
+            "(records with a CREATE TABLE context)",
+            file=sys.stderr,
+        )
+        return 2
+    if not (args.sql_rename_copies >= 0 and 0.0 <= args.sql_rename_rate <= 1.0):
+        print(
+            "specstream train: error: --sql-rename-copies must be >= 0 and --sql-rename-rate "
+            f"in [0, 1], got {args.sql_rename_copies} and {args.sql_rename_rate}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.sql_rename_copies:
+        split.update(sql_rename_copies=args.sql_rename_copies, sql_rename_rate=args.sql_rename_rate)
     base = args.base
     if base is None:
         from vllm_specstream.base_model import prepare_base
@@ -485,6 +501,21 @@ def _add_training_parsers(sub) -> None:
         "else the synthetic task's test split)",
     )
     _add_split_args(p, choose_split=False, val_note="; 0 trains on all of it")
+    p.add_argument(
+        "--sql-rename-copies",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--task sql: add N copies of each training record with its tables and columns "
+        "renamed (consistently in schema, question and query), so the model copies names "
+        "from the schema instead of memorising the training databases' (default: 0)",
+    )
+    p.add_argument(
+        "--sql-rename-rate",
+        type=float,
+        default=0.5,
+        help="share of the schema's word parts a renamed copy renames (default: %(default)s)",
+    )
     p.add_argument(
         "--objective",
         default="specstream",

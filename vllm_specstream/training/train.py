@@ -72,6 +72,14 @@ class TrainArgs:
     completion is replaced by the model's own greedy reply to its prompt (the base's for
     streams-only and Medusa heads, the ``init_from`` adapter's when continuing one), so that
     the streams learn what the model they draft for will say."""
+    sql_rename_copies: int = 0
+    """Task sql with ``data``: schema-renamed copies of each training record added to the
+    training examples (:func:`~vllm_specstream.training.tasks.renamed_sql_examples`: tables
+    and columns named with other words, consistently in schema, question and query), so that
+    the model and its streams learn to copy names from the prompt's schema rather than
+    memorise those of the few training databases."""
+    sql_rename_rate: float = 0.5
+    """Share of the schema's word parts each renamed copy renames."""
     medusa_heads: int = 4
     """Number of Medusa heads (objective "medusa")."""
     spec: SpecStreamConfig = field(default_factory=SpecStreamConfig)
@@ -190,6 +198,8 @@ def _task_examples(args: TrainArgs, split: str, n: int | None):
         seed=args.seed,
         val_fraction=args.val_fraction,
         split_seed=args.split_seed,
+        sql_rename_copies=args.sql_rename_copies,
+        sql_rename_rate=args.sql_rename_rate,
     )
 
 

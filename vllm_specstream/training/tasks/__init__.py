@@ -22,6 +22,7 @@ from vllm_specstream.training.tasks.public import (
     PUBLIC_TASKS,
     TaskRecord,
     load_task_data,
+    sql_prompt,
     write_task_data,
 )
 from vllm_specstream.training.tasks.sql import build_sql, sql_key
@@ -118,6 +119,8 @@ def task_examples(
     seed: int = 0,
     val_fraction: float = DEFAULT_VAL_FRACTION,
     split_seed: int = 0,
+    sql_rename_copies: int = 0,
+    sql_rename_rate: float = 0.5,
 ) -> list[ChatExample]:
     """Training (``split="train"``) or held-out (``"test"``) examples, first ``n`` (all if
     ``n`` is falsy), as ``specstream train`` reads them.
@@ -128,6 +131,8 @@ def task_examples(
     first reference) so that a few dozen examples still cover as many records. Otherwise
     ``data``/``eval_data`` are generic JSONL (:func:`~vllm_specstream.training.data.load_jsonl`)
     and without ``data`` the synthetic builder of ``task`` generates both splits.
+    ``sql_rename_copies`` adds that many schema-renamed copies of each SQL training record
+    (:func:`renamed_sql_examples`).
     """
     from vllm_specstream.training.data import load_jsonl
 
@@ -135,6 +140,8 @@ def task_examples(
         if split == "train":
             records = select_split(load_task_data(task, data), "train", val_fraction, split_seed)
             examples = [e for r in records for e in r.examples()]
+            if task == "sql" and sql_rename_copies:
+                examples += renamed_sql_examples(records, sql_rename_copies, sql_rename_rate, seed)
         else:
             if eval_data:
                 records = load_task_data(task, eval_data)
@@ -151,3 +158,31 @@ def task_examples(
     if task not in TASKS:
         raise ValueError(f"--task {task} needs --data FILE (its public format; see SPEC section 6)")
     return [to_example(task, r) for r in build_task(task, split, n=n, seed=seed)]
+
+
+def renamed_sql_examples(
+    records: list[TaskRecord], copies: int, rate: float, seed: int = 0
+) -> list[ChatExample]:
+    """``copies`` schema-renamed versions of each SQL record (``rate``: share of word parts
+    renamed; :mod:`~vllm_specstream.training.tasks.sql_rename`), new names drawn from the
+    records' own schemas and the synthetic generator's domain words."""
+    import random
+
+    from vllm_specstream.training.tasks.sql_rename import entity_words, pool_words, rename_schema
+
+    rows = [row for r in records for row in r.rows]
+    pool = sorted(set(pool_words(row["context"] for row in rows)) | set(entity_words()))
+    rng = random.Random(seed)
+    out = []
+    for _ in range(copies):
+        for row in rows:
+            context, question, answer = rename_schema(
+                row["context"].strip(),
+                row["question"].strip(),
+                row["answer"].strip(),
+                pool,
+                rng,
+                rate,
+            )
+            out.append(user_example(sql_prompt(context, question), answer))
+    return out
