@@ -14,6 +14,8 @@
 # SPECSTREAM_DEVICE=cuda trains on a GPU; SPECSTREAM_EVAL=0 trains and exports only (run the
 # script again without it, e.g. on the CPU machine, for the evaluations and the model card);
 # SPECSTREAM_DTYPE=fp32|bf16 sets the training precision (default: auto);
+# SQL_RENAME_COPIES=N (task sql) adds N schema-renamed copies of each training record
+# (`--sql-rename-copies`, rate SQL_RENAME_RATE, default 0.5) to every model's training data.
 # SPECSTREAM_BIN names the directory of the `specstream` and `python` to use.
 # DRAFT_VOCAB_SIZE=N gives the adapter a draft vocabulary of N tokens from the training split
 # (`specstream draft-vocab`) before it is merged; 0 (the default) keeps the whole vocabulary.
@@ -41,6 +43,8 @@ COMMON=(--task "$TASK" --data "$DATA" --num-streams 4 --num-msa-layers "$MSA" --
     --eval-every 100 --save-every 20 --num-eval 48)
 [ -n "${SPECSTREAM_DEVICE:-}" ] && COMMON+=(--device "$SPECSTREAM_DEVICE")
 [ -n "${SPECSTREAM_DTYPE:-}" ] && COMMON+=(--dtype "$SPECSTREAM_DTYPE")
+[ "${SQL_RENAME_COPIES:-0}" != 0 ] &&
+    COMMON+=(--sql-rename-copies "$SQL_RENAME_COPIES" --sql-rename-rate "${SQL_RENAME_RATE:-0.5}")
 OBJECTIVES=${OBJECTIVES:-specstream ntp medusa}
 R="$RUNS/$TASK"
 EVAL=(--task "$TASK" --data "$DATA" --split val)
