@@ -14,10 +14,11 @@ base: setup  ## convert the embedded SmolLM2-135M-Instruct once (cached)
 demo: base  ## specstream end to end: a real-task adapter on the embedded model, plain vs specstream
 	@$(BIN)/python examples/demo.py
 
-# The suite's files run on two workers (one file's tests stay together: they share engines);
+# The suite's files run on two workers (one file's tests stay together: they share engines),
+# engine-heavy files first (tests/helpers.py: LONGEST_FIRST);
 # an engine start keeps about one core busy, so two at a time fill a 2-core machine.
 test: setup base  ## the whole suite, engine tests included (what CI runs)
-	@$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	@$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test-fast: setup  ## unit tests only (no vLLM engine)
 	@$(BIN)/python -m pytest -q -m "not engine and not serve" tests

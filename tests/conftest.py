@@ -5,6 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import LONGEST_FIRST, REPO
+
+
+def pytest_collection_modifyitems(config, items):
+    """Engine-heavy files first, longest first (see ``helpers.LONGEST_FIRST``); a stable
+    sort, so each file's tests keep their order and stay together."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item) -> int:
+        rel = item.path.resolve().relative_to(REPO / "tests").as_posix()
+        return rank.get(rel, len(rank))
+
+    items.sort(key=key)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,24 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Test files in the order the suite hands them to its workers: the ones that start several
+# vLLM engines first, longest first (`make test` runs files on two workers without xdist's
+# reordering by test count, which would leave the few-test engine files for last, where the
+# longest of them runs alone while the other worker idles). Unlisted files follow, in
+# collection order.
+LONGEST_FIRST = (
+    "vllm/test_engine_checkpoints.py",
+    "vllm/test_tree_verification.py",
+    "vllm/test_specstream_engine.py",
+    "vllm/test_ray_serve.py",
+    "vllm/test_lora_serving.py",
+    "vllm/test_serve.py",
+    "vllm/test_streams_only_serving.py",
+    "vllm/test_serve_adapters.py",
+    "vllm/test_engine_plugin.py",
+    "vllm/test_stream_weights.py",
+)
+
 
 def run_python(
     code: str, env: dict | None = None, timeout: float = 600
