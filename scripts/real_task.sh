@@ -15,7 +15,8 @@
 # script again without it, e.g. on the CPU machine, for the evaluations and the model card);
 # SPECSTREAM_DTYPE=fp32|bf16 sets the training precision (default: auto);
 # SQL_RENAME_COPIES=N (task sql) adds N schema-renamed copies of each training record
-# (`--sql-rename-copies`, rate SQL_RENAME_RATE, default 0.5) to every model's training data.
+# (`--sql-rename-copies`; SQL_RENAME_RATE sets `--sql-rename-rate`, else train's default) to
+# every model's training data.
 # SPECSTREAM_BIN names the directory of the `specstream` and `python` to use.
 # DRAFT_VOCAB_SIZE=N gives the adapter a draft vocabulary of N tokens from the training split
 # (`specstream draft-vocab`) before it is merged; 0 (the default) keeps the whole vocabulary.
@@ -44,7 +45,7 @@ COMMON=(--task "$TASK" --data "$DATA" --num-streams 4 --num-msa-layers "$MSA" --
 [ -n "${SPECSTREAM_DEVICE:-}" ] && COMMON+=(--device "$SPECSTREAM_DEVICE")
 [ -n "${SPECSTREAM_DTYPE:-}" ] && COMMON+=(--dtype "$SPECSTREAM_DTYPE")
 [ "${SQL_RENAME_COPIES:-0}" != 0 ] &&
-    COMMON+=(--sql-rename-copies "$SQL_RENAME_COPIES" --sql-rename-rate "${SQL_RENAME_RATE:-0.5}")
+    COMMON+=(--sql-rename-copies "$SQL_RENAME_COPIES" ${SQL_RENAME_RATE:+--sql-rename-rate "$SQL_RENAME_RATE"})
 OBJECTIVES=${OBJECTIVES:-specstream ntp medusa}
 R="$RUNS/$TASK"
 EVAL=(--task "$TASK" --data "$DATA" --split val)

@@ -472,6 +472,7 @@ def _add_split_args(p: argparse.ArgumentParser, choose_split: bool, val_note: st
 
 def _add_training_parsers(sub) -> None:
     from vllm_specstream.training.tasks import ALL_TASKS
+    from vllm_specstream.training.tasks.sql_rename import DEFAULT_RENAME_RATE
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     p = sub.add_parser(
@@ -513,7 +514,7 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--sql-rename-rate",
         type=float,
-        default=0.5,
+        default=DEFAULT_RENAME_RATE,
         help="share of the schema's word parts a renamed copy renames (default: %(default)s)",
     )
     p.add_argument(

@@ -22,6 +22,7 @@ from vllm_specstream.training.checkpoint import (
 )
 from vllm_specstream.training.loss import specstream_loss
 from vllm_specstream.training.model import SpecStreamModel
+from vllm_specstream.training.tasks.sql_rename import DEFAULT_RENAME_RATE
 
 logger = init_logger(__name__)
 
@@ -78,7 +79,7 @@ class TrainArgs:
     and columns named with other words, consistently in schema, question and query), so that
     the model and its streams learn to copy names from the prompt's schema rather than
     memorise those of the few training databases."""
-    sql_rename_rate: float = 0.5
+    sql_rename_rate: float = DEFAULT_RENAME_RATE
     """Share of the schema's word parts each renamed copy renames."""
     medusa_heads: int = 4
     """Number of Medusa heads (objective "medusa")."""

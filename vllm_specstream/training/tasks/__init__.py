@@ -26,6 +26,7 @@ from vllm_specstream.training.tasks.public import (
     write_task_data,
 )
 from vllm_specstream.training.tasks.sql import build_sql, sql_key
+from vllm_specstream.training.tasks.sql_rename import DEFAULT_RENAME_RATE
 from vllm_specstream.training.tasks.text import build_text, text_key
 
 __all__ = [
@@ -120,7 +121,7 @@ def task_examples(
     val_fraction: float = DEFAULT_VAL_FRACTION,
     split_seed: int = 0,
     sql_rename_copies: int = 0,
-    sql_rename_rate: float = 0.5,
+    sql_rename_rate: float = DEFAULT_RENAME_RATE,
 ) -> list[ChatExample]:
     """Training (``split="train"``) or held-out (``"test"``) examples, first ``n`` (all if
     ``n`` is falsy), as ``specstream train`` reads them.

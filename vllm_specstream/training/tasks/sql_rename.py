@@ -26,6 +26,9 @@ import re
 from collections.abc import Iterable, Sequence
 
 #: Parts kept as they are: they say what a column is in any domain, or join the words of one.
+DEFAULT_RENAME_RATE = 0.5
+"""Share of a schema's word parts a renamed copy renames, unless told otherwise."""
+
 KEPT_PARTS = frozenset(
     {
         "id",
@@ -173,7 +176,7 @@ def rename_schema(
     answer: str,
     pool: Sequence[str],
     rng: random.Random,
-    rate: float = 0.5,
+    rate: float = DEFAULT_RENAME_RATE,
 ) -> tuple[str, str, str]:
     """``(context, question, answer)`` with the schema's word parts renamed consistently."""
     identifiers = schema_identifiers(context)
