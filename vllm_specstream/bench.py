@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_specstream.logger import init_logger
+from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
 
 logger = init_logger(__name__)
 
@@ -105,7 +106,7 @@ class BenchConfig:
     the prompts."""
     split: str = "all"
     """``all``, or the ``train``/``val`` side of the by-group split of ``data``."""
-    val_fraction: float = 0.15
+    val_fraction: float = DEFAULT_VAL_FRACTION
     """Held-out share of that split (the same as training's gives the same split)."""
     split_seed: int = 0
     """Seed of that split."""

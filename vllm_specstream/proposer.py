@@ -404,15 +404,20 @@ class SpecStreamProposer:
         timed), a stream step the policy's expected tokens at its step cost; the suffix
         draft is taken where it yields as much per cost.
         Where the streams do not pay (``k`` 0), suffix drafts of up to
-        ``num_speculative_tokens`` are taken where they score at least 1."""
+        ``num_speculative_tokens`` are weighed against a plain step: taken where ``1 + score``
+        tokens at a suffix step's cost beat one token at a plain step's (with the user's
+        schedule, which prices no step, where they score at least 1)."""
         min_score = self.suffix_min_score
         n = len(sampled_token_ids)
         if k == 0:
-            # The streams do not pay at this step: suffix drafts alone (no stream pass),
-            # where at least one token is expected to be kept.
+            # The streams do not pay at this step: suffix drafts alone (no stream pass).
             length = self.k
             if math.isnan(min_score):
-                min_score = SCHEDULED_MIN_SCORE
+                min_score = (
+                    max(self.suffix_step_cost(n) - 1.0, 0.0)
+                    if self.policy is not None
+                    else SCHEDULED_MIN_SCORE
+                )
         else:
             # As long as the streams' drafts: the policy priced that many verify rows.
             length = rows_of(k)

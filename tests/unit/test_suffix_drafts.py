@@ -246,18 +246,43 @@ def test_without_the_runner_the_streams_draft_alone_and_it_is_said(monkeypatch):
     assert p.suffix is None and len(warnings) == 1 and "proposer-runner" in warnings[0]
 
 
-def test_where_the_streams_do_not_pay_suffix_drafts_scoring_one_are_taken(monkeypatch):
+def test_where_the_streams_do_not_pay_suffix_drafts_are_weighed_against_a_plain_step(
+    monkeypatch,
+):
+    """No stream drafts at this step: a suffix step yields ``1 + score`` tokens at its timed
+    cost, a plain step one token at its own: any draft until suffix steps are timed, then
+    those scoring at least that cost less one."""
+    cache = FakeCache(draft=([7, 8, 9, 10], 0.2))
+    p = _proposer(monkeypatch, cache, min_score="on")
+    monkeypatch.setattr(p, "draft_length", lambda batch_size: 0)
+    # Up to num_speculative_tokens (3), no stream pass, timed as a suffix step.
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+    assert p.target.streams_for == [] and p.target.window_streams == 0
+    assert p.step_timer.last_k == SuffixStep(3)
+    for _ in range(8):  # plain steps of 10 ms, suffix-only steps of 13 ms at batch 2
+        p.policy.cost.record(2, 0, 0.010)
+        p.policy.cost.record(2, SuffixStep(3), 0.013)
+    # 1.2 tokens at 1.3 plain steps: less than a plain step's one token at its cost
+    p.target = _Target()
+    assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[], []]
+    cache.next_draft = ([7, 8, 9, 10], 0.4)
+    p.target = _Target()
+    assert p.propose(SAMPLED, np.array([15, 15]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+
+
+def test_with_a_schedule_and_no_stream_drafts_suffix_drafts_scoring_one_are_taken(
+    monkeypatch,
+):
+    """The user's schedule prices no step: where it drafts nothing, a suffix draft is
+    taken where at least one of its tokens is expected to be kept."""
     cache = FakeCache(draft=([7, 8, 9, 10], 0.9))
     p = _proposer(monkeypatch, cache, min_score="on")
+    p.policy = None
     monkeypatch.setattr(p, "draft_length", lambda batch_size: 0)
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[], []]
     cache.next_draft = ([7, 8, 9, 10], 1.2)
     p.target = _Target()
-    p.target.placement = "accepted"
-    # Up to num_speculative_tokens (3), no stream pass, timed as a suffix step.
     assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
-    assert p.target.streams_for == [] and p.target.window_streams == 0
-    assert p.step_timer.last_k == SuffixStep(3)
 
 
 def test_on_prices_a_suffix_step_at_its_timed_cost(monkeypatch):

@@ -22,6 +22,7 @@ from vllm_specstream.training.checkpoint import (
 )
 from vllm_specstream.training.loss import specstream_loss
 from vllm_specstream.training.model import SpecStreamModel
+from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
 from vllm_specstream.training.tasks.sql_rename import DEFAULT_RENAME_RATE
 
 logger = init_logger(__name__)
@@ -52,7 +53,7 @@ class TrainArgs:
     eval_data: str | None = None
     """Held-out file (same format as ``data``); default: the part of ``data`` held out by
     ``val_fraction``, else the built-in task's test split."""
-    val_fraction: float = 0.15
+    val_fraction: float = DEFAULT_VAL_FRACTION
     """Share of a task file (``task`` sql, e2e or dialogsum with ``data``) held out by group;
     0 trains on all of it."""
     split_seed: int = 0
