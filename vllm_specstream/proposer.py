@@ -409,24 +409,16 @@ class SpecStreamProposer:
         schedule, which prices no step, where they score at least 1)."""
         min_score = self.suffix_min_score
         n = len(sampled_token_ids)
-        if k == 0:
-            # The streams do not pay at this step: suffix drafts alone (no stream pass).
-            length = self.k
-            if math.isnan(min_score):
-                min_score = (
-                    max(self.suffix_step_cost(n) - 1.0, 0.0)
-                    if self.policy is not None
-                    else SCHEDULED_MIN_SCORE
-                )
-        else:
-            # As long as the streams' drafts: the policy priced that many verify rows.
-            length = rows_of(k)
-            if math.isnan(min_score):
-                min_score = (
-                    max(self.streams_yield(n, k) * self.suffix_step_cost(n) - 1.0, 0.0)
-                    if self.policy is not None
-                    else SCHEDULED_MIN_SCORE
-                )
+        # Where the streams do not pay, suffix drafts alone (no stream pass), up to
+        # num_speculative_tokens; else as long as the streams' (the verify rows priced).
+        length = self.k if k == 0 else rows_of(k)
+        if math.isnan(min_score) and self.policy is None:
+            min_score = SCHEDULED_MIN_SCORE  # the user's schedule prices no step
+        elif math.isnan(min_score):
+            # Tokens per plain step's cost of the step a suffix draft would replace: the
+            # streams', or a plain step's one token where they do not pay.
+            rival = self.streams_yield(n, k) if k != 0 else 1.0
+            min_score = max(rival * self.suffix_step_cost(n) - 1.0, 0.0)
         drafts = {
             r: self.suffix.draft(req_ids[r], token_ids_cpu[r], int(num_tokens_no_spec[r]), length)
             for r, sampled in enumerate(sampled_token_ids)
