@@ -304,3 +304,24 @@ def test_on_prices_a_suffix_step_at_its_timed_cost(monkeypatch):
     cache.next_draft = ([7, 8, 9], 1.1)
     p.target = _Target()
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+
+
+def test_with_a_schedule_and_stream_drafts_suffix_drafts_scoring_one_replace_them(
+    monkeypatch,
+):
+    """The user's schedule with stream drafts prices no step either: a suffix draft
+    replaces the streams' where it scores at least 1, without asking for the streams'
+    yield (there is no policy to price it)."""
+    cache = FakeCache(draft=([7, 8, 9, 10], 0.9))
+    p = _proposer(monkeypatch, cache, min_score="on")
+    p.policy = None
+
+    def streams_yield(batch_size, k):
+        raise AssertionError("no policy prices the streams under the user's schedule")
+
+    monkeypatch.setattr(p, "streams_yield", streams_yield)
+    monkeypatch.setattr(p, "draft_length", lambda batch_size: 3)
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]
+    cache.next_draft = ([7, 8, 9, 10], 1.2)
+    p.target = _Target()
+    assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
