@@ -397,6 +397,15 @@ class SpecStreamProposer:
         cost = self.policy.cost if self.policy is not None else None
         return cost.ratio(batch_size, SuffixStep(self.k)) if isinstance(cost, MeasuredCost) else 1.0
 
+    def suffix_step_timed(self, batch_size: int) -> bool:
+        """Whether this engine has timed enough suffix-only and plain steps at this batch
+        size to price the former."""
+        cost = self.policy.cost if self.policy is not None else None
+        return (
+            isinstance(cost, MeasuredCost)
+            and cost.measured_ratio(batch_size, SuffixStep(self.k)) is not None
+        )
+
     def _suffix_choice(self, k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         """Rows that draft from the suffix trees this step, with their drafts: those whose
         draft scores at least the threshold. ``on``: a suffix step yields ``1 + score``
@@ -405,15 +414,22 @@ class SpecStreamProposer:
         draft is taken where it yields as much per cost.
         Where the streams do not pay (``k`` 0), suffix drafts of up to
         ``num_speculative_tokens`` are weighed against a plain step: taken where ``1 + score``
-        tokens at a suffix step's cost beat one token at a plain step's (with the user's
-        schedule, which prices no step, where they score at least 1)."""
+        tokens at a suffix step's timed cost beat one token at a plain step's; before such
+        steps are timed at this batch size (or with the user's schedule, which prices no
+        step), where they score at least 1."""
         min_score = self.suffix_min_score
         n = len(sampled_token_ids)
         # Where the streams do not pay, suffix drafts alone (no stream pass), up to
         # num_speculative_tokens; else as long as the streams' (the verify rows priced).
         length = self.k if k == 0 else rows_of(k)
-        if math.isnan(min_score) and self.policy is None:
-            min_score = SCHEDULED_MIN_SCORE  # the user's schedule prices no step
+        if math.isnan(min_score) and (
+            self.policy is None or (k == 0 and not self.suffix_step_timed(n))
+        ):
+            # The user's schedule prices no step; where the streams do not pay, an untimed
+            # suffix step's verify rows are not taken as free (with 4 drafts per request
+            # they cost ~2 plain steps at batch 16 on AVX2): one token expected kept pays
+            # for them until such steps are timed.
+            min_score = SCHEDULED_MIN_SCORE
         elif math.isnan(min_score):
             # Tokens per plain step's cost of the step a suffix draft would replace: the
             # streams', or a plain step's one token where they do not pay.

@@ -250,24 +250,34 @@ def test_where_the_streams_do_not_pay_suffix_drafts_are_weighed_against_a_plain_
     monkeypatch,
 ):
     """No stream drafts at this step: a suffix step yields ``1 + score`` tokens at its timed
-    cost, a plain step one token at its own: any draft until suffix steps are timed, then
-    those scoring at least that cost less one."""
+    cost, a plain step one token at its own: drafts scoring at least 1 until suffix steps
+    are timed, then those scoring at least that cost less one."""
     cache = FakeCache(draft=([7, 8, 9, 10], 0.2))
     p = _proposer(monkeypatch, cache, min_score="on")
     monkeypatch.setattr(p, "draft_length", lambda batch_size: 0)
+    # Untimed, the verify rows are not free: a draft expecting 0.2 tokens kept is not taken.
+    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[], []]
+    cache.next_draft = ([7, 8, 9, 10], 1.2)
+    p.target = _Target()
     # Up to num_speculative_tokens (3), no stream pass, timed as a suffix step.
-    assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+    assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     assert p.target.streams_for == [] and p.target.window_streams == 0
     assert p.step_timer.last_k == SuffixStep(3)
+    for _ in range(8):  # suffix-only steps timed, plain ones not yet: still unpriced
+        p.policy.cost.record(2, SuffixStep(3), 0.013)
+    cache.next_draft = ([7, 8, 9, 10], 0.4)
+    p.target = _Target()
+    assert p.propose(SAMPLED, np.array([15, 15]), _tokens()) == [[], []]
+    cache.next_draft = ([7, 8, 9, 10], 0.2)
     for _ in range(8):  # plain steps of 10 ms, suffix-only steps of 13 ms at batch 2
         p.policy.cost.record(2, 0, 0.010)
         p.policy.cost.record(2, SuffixStep(3), 0.013)
     # 1.2 tokens at 1.3 plain steps: less than a plain step's one token at its cost
     p.target = _Target()
-    assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[], []]
+    assert p.propose(SAMPLED, np.array([16, 16]), _tokens()) == [[], []]
     cache.next_draft = ([7, 8, 9, 10], 0.4)
     p.target = _Target()
-    assert p.propose(SAMPLED, np.array([15, 15]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
+    assert p.propose(SAMPLED, np.array([17, 17]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
 
 
 def test_with_a_schedule_and_no_stream_drafts_suffix_drafts_scoring_one_are_taken(
