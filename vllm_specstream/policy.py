@@ -209,7 +209,9 @@ class SuffixStep:
     """A step whose requests all verify suffix-tree drafts of up to ``k`` tokens and whose
     forward runs no streams (:mod:`vllm_specstream.suffix_drafts`). A cost key, not a choice:
     such steps are timed on their own so that a suffix draft is priced at what its step
-    costs (the verify rows, the trees' bookkeeping), a plain step's cost until timed."""
+    costs (the verify rows, the trees' bookkeeping): until timed, a plain step's cost beside
+    a stream step's, and a score of 1 where it would replace a plain step
+    (:meth:`~vllm_specstream.proposer.SpecStreamProposer._suffix_choice`)."""
 
     k: int
 
