@@ -18,6 +18,7 @@ def engine_run(base_model_dir):
     return run_child(
         "plain_run",
         env={"VLLM_LOGGING_LEVEL": "DEBUG"},
+        processes=True,  # the user's process layout: the plugin registers in each
         model=str(base_model_dir),
         prompts=PROMPTS,
         n=MAX_TOKENS,

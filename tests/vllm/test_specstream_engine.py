@@ -117,14 +117,17 @@ def runs(request, tiny_merged):
     batch: vLLM mixes prefill and decode rows, and rows move as requests finish)."""
     requests = make_requests(32, seed=len(request.param))
     engine = ENGINES[request.param]
-    plain = run_engine(tiny_merged, 0, engine, requests)
+    # The default setting runs in the user's process layout (front-end, engine core,
+    # worker), the others with the engine in one process (engine_child.IN_PROCESS_ENV).
+    layout = {"processes": request.param == "default"}
+    plain = run_engine(tiny_merged, 0, engine, requests, **layout)
     placements = ENGINE_PLACEMENTS[request.param]
     if not has_suffix_decoding():
         placements = tuple(p for p in placements if p != "suffix")
     spec = {
-        p: run_engine(tiny_merged, 6, engine, requests, env=TREE_ENV, trees=True)
+        p: run_engine(tiny_merged, 6, engine, requests, env=TREE_ENV, trees=True, **layout)
         if p == "tree"
-        else run_engine(tiny_merged, 3, engine, requests, env=SUFFIX_ENV)
+        else run_engine(tiny_merged, 3, engine, requests, env=SUFFIX_ENV, **layout)
         if p == "suffix"
         else run_engine(
             tiny_merged,
@@ -133,6 +136,7 @@ def runs(request, tiny_merged):
             requests,
             p,
             env={ENV_STREAM_DTYPE: STREAM_DTYPES[p]} if request.param == "default" else None,
+            **layout,
         )
         for p in placements
     }
