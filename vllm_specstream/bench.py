@@ -426,9 +426,10 @@ def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.pop(ENV_TREE_TOP_K, None)  # trees are the tree methods' only
     env.pop(ENV_TREE_PRUNE, None)
-    env.pop(ENV_SUFFIX_DRAFTS, None)  # and suffix drafts specstream-suffix's
-    if method == "specstream-suffix":
-        env[ENV_SUFFIX_DRAFTS] = cfg.suffix_drafts
+    # Suffix drafts are specstream-suffix's only, whatever the checkpoint's default.
+    env.pop(ENV_SUFFIX_DRAFTS, None)
+    if method is not None:
+        env[ENV_SUFFIX_DRAFTS] = cfg.suffix_drafts if method == "specstream-suffix" else "off"
     if method in TREE_METHODS:
         env[ENV_TREE_TOP_K] = cfg.tree_top_k
         if method == "specstream-tree-fixed":

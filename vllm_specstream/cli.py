@@ -263,7 +263,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    out = export_merged(args.adapter_dir, args.out_dir, base=args.base)
+    from vllm_specstream.config import ConfigError
+
+    try:
+        out = export_merged(
+            args.adapter_dir, args.out_dir, base=args.base, suffix_drafts=args.suffix_drafts
+        )
+    except ConfigError as e:
+        print(f"specstream export: error: {e}", file=sys.stderr)
+        return 2
     print(f"Merged checkpoint written: {out}")
     return 0
 
@@ -651,6 +659,15 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("out_dir")
     p.add_argument("--merge", action="store_true", help="merge LoRA into the weights (required)")
     p.add_argument("--base", help="base model dir (default: the one recorded in the adapter)")
+    p.add_argument(
+        "--suffix-drafts",
+        metavar="on|off|SCORE",
+        help="the checkpoint's serving default of suffix drafts beside the streams "
+        "(specstream.suffix_drafts; SPECSTREAM_SUFFIX_DRAFTS overrides it at serving time): "
+        "'on' where suffix-tree drafts were measured to pay on the task (they need "
+        "arctic-inference; without it the streams draft alone), 'off' to clear it "
+        "(default: the adapter's specstream_config.json)",
+    )
     p.set_defaults(func=_cmd_export)
 
     from vllm_specstream.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE

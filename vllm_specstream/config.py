@@ -127,6 +127,12 @@ class SpecStreamConfig:
     ``draft_vocab_mask`` (``[vocab_size]``, 1 at each of them, 0 elsewhere) marks them; the
     streams' LM head then reads only their rows (drafts are still verified by the whole
     model: outputs do not change, only which tokens can be drafted)."""
+    suffix_drafts: str | None = None
+    """Serving default of ``$SPECSTREAM_SUFFIX_DRAFTS`` for this checkpoint (``on``, a score
+    threshold, or ``off``): suffix-tree drafts beside the streams, where they were measured
+    to pay on its task (:mod:`vllm_specstream.suffix_drafts`). The variable, when set, wins;
+    without arctic-inference the engine serves the streams alone and says so once. None:
+    the streams alone."""
     prune: PruneConfig = field(default_factory=PruneConfig)
     """Tree-pruning adapter."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -161,6 +167,16 @@ class SpecStreamConfig:
             raise bad("stream_lora_rank", f"must be an integer >= 0, got {self.stream_lora_rank!r}")
         if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
             raise bad("draft_vocab_size", f"must be an integer >= 0, got {self.draft_vocab_size!r}")
+        if self.suffix_drafts is not None:
+            from vllm_specstream.suffix_drafts import suffix_min_score_from
+
+            try:
+                suffix_min_score_from(self.suffix_drafts)
+            except (ConfigError, AttributeError):
+                raise bad(
+                    "suffix_drafts",
+                    f"must be 'on', 'off' or a score threshold >= 0, got {self.suffix_drafts!r}",
+                ) from None
         if self.prune.rank < 1:
             raise bad("prune.rank", f"must be >= 1, got {self.prune.rank!r}")
         if not 0.0 <= self.prune.threshold < 1.0:
@@ -229,8 +245,11 @@ class SpecStreamConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        if not self.draft_vocab_size:  # left out: readable by versions before the field
+        # Left out at their defaults: readable by versions before the fields.
+        if not self.draft_vocab_size:
             del data["draft_vocab_size"]
+        if self.suffix_drafts is None:
+            del data["suffix_drafts"]
         return data
 
     @classmethod

@@ -4,7 +4,8 @@ Two come from vLLM's ``speculative_config`` (so they travel with the engine's co
 every process): the stream *placement* (which proposer class ``model`` names) and the
 user's batch-size schedule. The others come from the environment, which vLLM's engine
 processes inherit: the stream pass's dtype, the confidence rule's threshold, the draft
-tree's shape and suffix drafts beside the streams.
+tree's shape and suffix drafts beside the streams. Suffix drafts also have a default in the
+checkpoint (``specstream.suffix_drafts`` of ``config.json``), which the variable overrides.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from dataclasses import dataclass
 
 from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER
 from vllm_specstream.config import ConfigError
-from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS, suffix_min_score_from
+from vllm_specstream.suffix_drafts import (
+    ENV_SUFFIX_DRAFTS,
+    suffix_cache_class,
+    suffix_min_score_from,
+)
 
 ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
 STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
@@ -53,9 +58,15 @@ class SpecStreamOptions:
     adapter (:mod:`vllm_specstream.model_executor.tree_pruning`), else no pruning."""
 
     suffix_min_score: float | None = None
-    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:mod:`vllm_specstream.suffix_drafts`): a request's step
-    drafts from the suffix trees where their draft's score reaches this (nan: where they
-    yield as many tokens per step cost as the streams); None: the streams only."""
+    """``$SPECSTREAM_SUFFIX_DRAFTS``, else the checkpoint's ``suffix_drafts``
+    (:mod:`vllm_specstream.suffix_drafts`): a request's step drafts from the suffix trees
+    where their draft's score reaches this (nan: where they yield as many tokens per step
+    cost as the streams); None: the streams only."""
+    suffix_from_checkpoint: bool = False
+    """Whether ``suffix_min_score`` is the checkpoint's default (the variable unset)."""
+    suffix_skipped: str | None = None
+    """Why the checkpoint's suffix-drafts default is not followed (None: it is, or there is
+    none, or the variable is set): :func:`suffix_default_skipped`."""
 
     @property
     def trees(self) -> bool:
@@ -193,6 +204,9 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
         spec = None
     k = spec.num_speculative_tokens if spec is not None else 0
     schedule = getattr(spec, SCHEDULE_OPTION, None) if spec is not None else None
+    default = checkpoint_suffix_drafts(vllm_config) if k else None
+    user_suffix = bool(environ.get(ENV_SUFFIX_DRAFTS, "").strip())
+    suffix_min_score = suffix_drafts_from(environ, default) if k else None
     return SpecStreamOptions(
         num_speculative_tokens=k or 0,
         placement=placement_of(getattr(spec, "model", None)) if spec is not None else None,
@@ -201,7 +215,11 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
         draft_min_prob=draft_min_prob_from(environ) if k else 0.0,
         tree_top_k=tree_top_k_from(environ) if k else None,
         tree_prune=tree_prune_from(environ) if k else None,
-        suffix_min_score=suffix_drafts_from(environ) if k else None,
+        suffix_min_score=suffix_min_score,
+        suffix_from_checkpoint=suffix_min_score is not None and not user_suffix,
+        suffix_skipped=None
+        if default is None or user_suffix
+        else suffix_default_skipped(environ, default),
     )
 
 
@@ -211,10 +229,57 @@ SUFFIX_WITH_TREES = (
 )
 
 
-def suffix_drafts_from(environ: Mapping[str, str]) -> float | None:
-    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:func:`~vllm_specstream.suffix_drafts.suffix_min_score_from`);
-    refused beside draft trees."""
-    score = suffix_min_score_from(environ.get(ENV_SUFFIX_DRAFTS, ""))
+def suffix_drafts_from(
+    environ: Mapping[str, str], checkpoint_default: str | None = None
+) -> float | None:
+    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:func:`~vllm_specstream.suffix_drafts.suffix_min_score_from`),
+    refused beside draft trees; unset, the checkpoint's default where it can be followed
+    (:func:`suffix_default_skipped`)."""
+    text = environ.get(ENV_SUFFIX_DRAFTS, "")
+    if not text.strip():
+        if checkpoint_default is None or suffix_default_skipped(environ, checkpoint_default):
+            return None
+        return suffix_min_score_from(checkpoint_default)
+    score = suffix_min_score_from(text)
     if score is not None and tree_top_k_from(environ) is not None:
         raise ConfigError(SUFFIX_WITH_TREES)
     return score
+
+
+def checkpoint_suffix_drafts(vllm_config) -> str | None:
+    """The served checkpoint's ``specstream.suffix_drafts`` (None: it has none, or it is
+    not a specstream checkpoint)."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    section = getattr(hf_config, "specstream", None)
+    value = section.get("suffix_drafts") if isinstance(section, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
+def suffix_default_skipped(environ: Mapping[str, str], checkpoint_default: str) -> str | None:
+    """Why a checkpoint's ``suffix_drafts`` default is not followed (None: it is): the user
+    asked for draft trees, or arctic-inference is not importable. A default the user did not
+    set is never an error; the engine serves the streams alone and says why once."""
+    if suffix_min_score_from(checkpoint_default) is None:
+        return None
+    if tree_top_k_from(environ) is not None:
+        return (
+            f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed: "
+            f"{ENV_TREE_TOP_K} asks for draft trees, which draft without suffix drafts"
+        )
+    if not suffix_decoding_importable():
+        return (
+            f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed: "
+            "arctic-inference's suffix decoding is not importable, so the streams draft alone "
+            "(`make suffix-decoding` builds it for this CPU; put its directory on PYTHONPATH, "
+            f"or set {ENV_SUFFIX_DRAFTS}=off to silence this)"
+        )
+    return None
+
+
+def suffix_decoding_importable() -> bool:
+    """Whether arctic-inference's suffix decoding (vLLM's ``suffix`` method's) imports."""
+    try:
+        suffix_cache_class()
+    except ConfigError:
+        return False
+    return True

@@ -53,6 +53,17 @@ logger = init_logger(__name__)
 SUMMARY_EVERY = 256
 
 
+def _hand_runner_to_proposer() -> None:
+    """Suffix trees are kept by the runner's input batch, which vLLM does not hand to a
+    ``custom_class`` proposer: the runner hands itself over once it has loaded the model (it
+    builds its proposer first, so patching its class here is in time)."""
+    from vllm_specstream.patches import apply_patch
+    from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER
+    from vllm_specstream.vllm_version import ensure_supported_vllm
+
+    apply_patch(PROPOSER_RUNNER, ensure_supported_vllm())
+
+
 def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spec: int) -> int:
     """Flat index, in the last forward, of a request's last accepted token.
 
@@ -181,14 +192,19 @@ class SpecStreamProposer:
                 SuffixSettings.of(vllm_config.speculative_config),
                 int(vllm_config.model_config.max_model_len),
             )
+            _hand_runner_to_proposer()
             logger.info(
                 "specstream drafts from suffix trees (prompt, output, earlier outputs) where "
                 "their draft scores at least %s, from the streams elsewhere (%s)",
                 "the streams' expected tokens per step cost, less one"
                 if math.isnan(options.suffix_min_score)
                 else f"{options.suffix_min_score:g}",
-                ENV_SUFFIX_DRAFTS,
+                f"the checkpoint's specstream.suffix_drafts; {ENV_SUFFIX_DRAFTS}=off turns them off"
+                if options.suffix_from_checkpoint
+                else ENV_SUFFIX_DRAFTS,
             )
+        elif options.suffix_skipped:
+            logger.warning("%s", options.suffix_skipped)
         #: The model runner (its input batch's request ids and prompt lengths key the
         #: suffix trees): :mod:`vllm_specstream.patches.proposer_runner`.
         self._runner = None

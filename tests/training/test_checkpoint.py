@@ -114,6 +114,33 @@ def test_save_load_merge_round_trip(base_dir, tmp_path):
         torch.testing.assert_close(plain(ids).logits, want[0], atol=1e-4, rtol=1e-4)
 
 
+def test_suffix_drafts_default_travels_from_adapter_to_merged_config(base_dir, tmp_path):
+    """The adapter's serving default reaches config.json; export's argument replaces or
+    clears it; an adapter without one writes no field (older readers refuse unknown ones)."""
+    save_adapter(trained(base_dir, suffix_drafts="on"), tmp_path / "adapter")
+    assert SpecStreamConfig.load(tmp_path / "adapter").suffix_drafts == "on"
+
+    def section(**kw):
+        out = export_merged(tmp_path / "adapter", tmp_path / "m", dtype=torch.float32, **kw)
+        return json.loads((out / "config.json").read_text())["specstream"]
+
+    assert section()["suffix_drafts"] == "on"
+    assert section(suffix_drafts=" 1.5 ")["suffix_drafts"] == "1.5"
+    assert "suffix_drafts" not in section(suffix_drafts="off")
+    with pytest.raises(ConfigError, match="--suffix-drafts: suffix_drafts must be 'on', 'off'"):
+        section(suffix_drafts="always")
+    save_adapter(trained(base_dir), tmp_path / "plain")
+    assert "suffix_drafts" not in json.loads(
+        (tmp_path / "plain" / "specstream_config.json").read_text()
+    )
+
+
+@pytest.mark.parametrize("bad", ["sometimes", "-1", 3])
+def test_suffix_drafts_field_is_checked(bad):
+    with pytest.raises(ConfigError, match="x.json: suffix_drafts must be 'on', 'off' or a score"):
+        SpecStreamConfig.from_dict({"suffix_drafts": bad}, where="x.json")
+
+
 @pytest.fixture
 def merged_dir(base_dir, tmp_path):
     save_adapter(trained(base_dir), tmp_path / "adapter")

@@ -261,7 +261,8 @@ def test_suffix_drafts_are_specstream_suffix_only(dirs, monkeypatch):
     monkeypatch.setattr(bench, "has_suffix_decoding", lambda: True)
     monkeypatch.setenv("SPECSTREAM_SUFFIX_DRAFTS", "2")  # a user's shell: not for other methods
     cfg = BenchConfig(checkpoint=str(ckpt), methods=("specstream", "specstream-suffix"))
-    assert "SPECSTREAM_SUFFIX_DRAFTS" not in engine_env(cfg, "specstream")
+    # 'off', not unset: a checkpoint's suffix_drafts default must not turn them on either.
+    assert engine_env(cfg, "specstream")["SPECSTREAM_SUFFIX_DRAFTS"] == "off"
     assert engine_env(cfg, "specstream-suffix")["SPECSTREAM_SUFFIX_DRAFTS"] == "on"
     assert speculative_config_for("specstream-suffix", cfg) == speculative_config_for(
         "specstream", cfg

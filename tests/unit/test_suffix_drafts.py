@@ -43,6 +43,55 @@ def test_options_read_it_only_when_speculating_and_refuse_it_beside_trees():
         read_options(config, {ENV_SUFFIX_DRAFTS: "on", "SPECSTREAM_TREE_TOP_K": "2"})
 
 
+def _engine_config(suffix_drafts=None, k=4):
+    spec = SimpleNamespace(
+        method="custom_class",
+        model=None,
+        num_speculative_tokens=k,
+        num_speculative_tokens_per_batch_size=None,
+    )
+    section = {"num_streams": 4} | (
+        {} if suffix_drafts is None else {"suffix_drafts": suffix_drafts}
+    )
+    hf_config = SimpleNamespace(specstream=section)
+    return SimpleNamespace(
+        speculative_config=spec, model_config=SimpleNamespace(hf_config=hf_config)
+    )
+
+
+@pytest.mark.parametrize("importable", [True, False])
+def test_checkpoint_default_is_followed_unless_the_user_says_otherwise(monkeypatch, importable):
+    import vllm_specstream.options as options
+
+    monkeypatch.setattr(options, "suffix_decoding_importable", lambda: importable)
+    on = _engine_config("on")
+    opts = read_options(on, {})
+    if importable:
+        assert np.isnan(opts.suffix_min_score) and opts.suffix_from_checkpoint
+        assert opts.suffix_skipped is None
+    else:  # a default is never an error: the streams alone, and why
+        assert opts.suffix_min_score is None and not opts.suffix_from_checkpoint
+        assert "arctic-inference's suffix decoding is not importable" in opts.suffix_skipped
+        assert f"{ENV_SUFFIX_DRAFTS}=off to silence" in opts.suffix_skipped
+    # The variable wins either way (and an explicit 'on' without arctic-inference is the
+    # front-end's error to raise: tests/unit/test_preflight.py).
+    user = read_options(on, {ENV_SUFFIX_DRAFTS: "off"})
+    assert user.suffix_min_score is None and user.suffix_skipped is None
+    user = read_options(_engine_config("on"), {ENV_SUFFIX_DRAFTS: "0.5"})
+    assert user.suffix_min_score == 0.5 and not user.suffix_from_checkpoint
+    # Draft trees asked for: the default yields to them, it is not refused.
+    trees = read_options(on, {"SPECSTREAM_TREE_TOP_K": "2"})
+    assert trees.suffix_min_score is None and trees.tree_top_k == (2,)
+    assert "SPECSTREAM_TREE_TOP_K asks for draft trees" in trees.suffix_skipped
+    # A threshold, 'off', no default, no speculation.
+    assert read_options(_engine_config("0.25"), {}).suffix_min_score == (
+        0.25 if importable else None
+    )
+    for quiet in (_engine_config("off"), _engine_config(None), _engine_config("on", k=0)):
+        opts = read_options(quiet, {})
+        assert opts.suffix_min_score is None and opts.suffix_skipped is None
+
+
 def test_settings_follow_vllms_suffix_fields():
     spec = SimpleNamespace(suffix_decoding_max_tree_depth=16, suffix_decoding_min_token_prob=0.3)
     s = SuffixSettings.of(spec)

@@ -474,8 +474,8 @@ def test_tree_pruning_touch_points_still_fit_vllm():
 def test_proposer_runner_hook_still_fits_vllm():
     # Fails when vLLM changes what suffix drafts beside the streams hook into: the runner
     # loads the drafter in its own load_model (the CPU runner's, and the GPU runner's), and
-    # the input batch fields the suffix trees are keyed by. Applied only on request: without
-    # SPECSTREAM_SUFFIX_DRAFTS the runners' load_model is vLLM's.
+    # the input batch fields the suffix trees are keyed by. Applied only on request (by a
+    # proposer with suffix drafts): after registration the runners' load_model is vLLM's.
     out = run_python(
         "import inspect\n"
         "from types import SimpleNamespace\n"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,6 @@ from engine_child import CHILD, run_child
 from vllm_specstream.bench import SUFFIX_DECODING_DIR, has_suffix_decoding
 from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
 from vllm_specstream.options import ENV_STREAM_DTYPE, ENV_TREE_TOP_K
-from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -87,6 +87,7 @@ def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=No
     # The adaptive policy of a window engine drafted with streams at the anchors.
     result["anchored"] = "runs the streams at the requests' anchors" in log
     result["suffix_drafted"] = "specstream drafts from the suffix trees" in log
+    result["suffix_from_checkpoint"] = "(the checkpoint's specstream.suffix_drafts;" in log
     return result
 
 
@@ -95,15 +96,26 @@ PLACEMENTS = ("window", "accepted")
 #: trees verified in vLLM (6 nodes, top-2 per stream; ``test_tree_verification.py``).
 ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("window", "tree", "suffix")}
 TREE_ENV = {ENV_TREE_TOP_K: "2", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-#: "suffix": chains with suffix-tree drafts wherever the trees have one (threshold 0), the
+#: "suffix": chains with suffix-tree drafts wherever the trees have one (threshold 0, the
+#: checkpoint's ``specstream.suffix_drafts`` default: :func:`suffix_checkpoint`), the
 #: streams elsewhere; run where arctic-inference's suffix trees are built
 #: (``make suffix-decoding``), with requests preempted and recomputed mid-generation.
 SUFFIX_ENV = {
-    ENV_SUFFIX_DRAFTS: "0",
     "PYTHONPATH": os.pathsep.join(
         p for p in (str(SUFFIX_DECODING_DIR), os.environ.get("PYTHONPATH")) if p
     ),
 }
+
+
+def suffix_checkpoint(ckpt: Path, out: Path, suffix_drafts: str) -> Path:
+    """A copy of merged checkpoint ``ckpt`` whose config.json sets ``suffix_drafts``."""
+    shutil.copytree(ckpt, out)
+    config = json.loads((out / "config.json").read_text())
+    config["specstream"]["suffix_drafts"] = suffix_drafts
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 PLACEMENT_NAMES = (*PLACEMENTS, "tree", "suffix")
 #: Stream-pass matmuls per placement in the "default" setting, so that both paths of
 #: ``stream_weights`` run whatever the CPU (the "chunked" setting takes the automatic one);
@@ -112,7 +124,7 @@ STREAM_DTYPES = {"window": "model", "accepted": "bfloat16"}
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINES))
-def runs(request, tiny_merged):
+def runs(request, tiny_merged, tmp_path_factory):
     """Plain and speculative runs (both stream placements) of the same 32 requests (one
     batch: vLLM mixes prefill and decode rows, and rows move as requests finish)."""
     requests = make_requests(32, seed=len(request.param))
@@ -127,7 +139,14 @@ def runs(request, tiny_merged):
     spec = {
         p: run_engine(tiny_merged, 6, engine, requests, env=TREE_ENV, trees=True, **layout)
         if p == "tree"
-        else run_engine(tiny_merged, 3, engine, requests, env=SUFFIX_ENV, **layout)
+        else run_engine(
+            suffix_checkpoint(tiny_merged, tmp_path_factory.mktemp("suffix") / "ckpt", "0"),
+            3,
+            engine,
+            requests,
+            env=SUFFIX_ENV,
+            **layout,
+        )
         if p == "suffix"
         else run_engine(
             tiny_merged,
@@ -176,6 +195,7 @@ def test_drafts_are_proposed_and_counted(runs, placement):
         assert run["trees"]["tree_rows"] > 0, run["trees"]
     if placement == "suffix":
         assert run["suffix_drafted"], "no step drafted from the suffix trees"
+        assert run["suffix_from_checkpoint"], "suffix drafts not set by the checkpoint's default"
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
 
 

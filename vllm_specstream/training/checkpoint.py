@@ -13,6 +13,7 @@ under ``specstream.*`` names, and ``config.json`` with ``architectures:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -219,9 +220,17 @@ def export_merged(
     out_dir: str | Path,
     base: str | Path | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    suffix_drafts: str | None = None,
 ) -> Path:
-    """Write a merged checkpoint that vLLM loads with the specstream plugin."""
-    recorded = base or SpecStreamConfig.load(Path(adapter_dir)).base_model
+    """Write a merged checkpoint that vLLM loads with the specstream plugin. ``suffix_drafts``
+    (``on``, ``off`` or a score threshold) sets its serving default of suffix drafts beside
+    the streams (:attr:`SpecStreamConfig.suffix_drafts`); None keeps the adapter's."""
+    config = SpecStreamConfig.load(Path(adapter_dir))
+    if suffix_drafts is not None:
+        value = suffix_drafts.strip().lower()
+        config = dataclasses.replace(config, suffix_drafts=None if value == "off" else value)
+        config.validate(where="--suffix-drafts")
+    recorded = base or config.base_model
     base_dir = Path(resolve_base(recorded, Path(adapter_dir) / CONFIG_FILE))
     model = load_adapter(adapter_dir, base=base_dir, dtype=torch.float32)
     lm = model.lm.merge_and_unload() if hasattr(model.lm, "merge_and_unload") else model.lm
@@ -241,7 +250,7 @@ def export_merged(
     save_file(tensors, str(tmp / STREAM_FILE), metadata={"format": "pt"})
     config_path = tmp / "config.json"
     hf_config = json.loads(config_path.read_text())
-    section = model.config.to_dict()
+    section = dataclasses.replace(model.config, suffix_drafts=config.suffix_drafts).to_dict()
     section.pop("loss", None)
     section["base_architectures"] = hf_config.get("architectures", [])
     hf_config["architectures"] = [MERGED_ARCHITECTURE]
