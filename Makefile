@@ -33,5 +33,5 @@ clean-venv:
 demo-adapter: base  ## retrain the demo SQL adapter and its ntp baseline (~1-2 h on 2 cores)
 	@bash scripts/demo_adapter.sh runs
 
-suffix-decoding: setup  ## build vLLM's suffix method's dependency (arctic-inference) for `specstream bench`
+suffix-decoding: setup  ## build arctic-inference's suffix tree: vLLM's suffix method (bench) and suffix drafts beside the streams
 	@bash scripts/suffix_decoding.sh

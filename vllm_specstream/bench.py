@@ -31,6 +31,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_specstream.logger import init_logger
+
+# make suffix-decoding's build: put on the engines' PYTHONPATH when present (vLLM's own
+# ``suffix`` method imports arctic-inference as installed).
+from vllm_specstream.suffix_drafts import SUFFIX_DECODING_DIR
 from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
 
 logger = init_logger(__name__)
@@ -65,11 +69,6 @@ ON_REQUEST = ("plain-control", "specstream-fixed", "specstream-suffix", *TREE_ME
 #: Methods that import arctic-inference's suffix trees in the engine.
 SUFFIX_METHODS = ("suffix", "specstream-suffix")
 
-#: Where ``make suffix-decoding`` installs arctic-inference's suffix tree (vLLM's ``suffix``
-#: method); put on the engines' ``PYTHONPATH`` when present.
-SUFFIX_DECODING_DIR = Path(
-    os.environ.get("SPECSTREAM_SUFFIX_DECODING", "~/.cache/vllm-specstream/suffix-decoding")
-).expanduser()
 
 #: Methods that draft from earlier requests' outputs (suffix decoding's global tree): the
 #: bench sends the same prompts in every cell and repeat, so each of those gets a fresh

@@ -20,8 +20,11 @@ global tree), with the same ``suffix_decoding_*`` settings of vLLM's ``speculati
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
@@ -55,16 +58,29 @@ def suffix_min_score_from(text: str) -> float | None:
     return value
 
 
+#: Where ``make suffix-decoding`` (``scripts/suffix_decoding.sh``) installs arctic-inference's
+#: suffix tree for this CPU (``$SPECSTREAM_SUFFIX_DECODING`` moves it).
+SUFFIX_DECODING_DIR = Path(
+    os.environ.get("SPECSTREAM_SUFFIX_DECODING", "~/.cache/vllm-specstream/suffix-decoding")
+).expanduser()
+
+
 def suffix_cache_class():
-    """arctic-inference's ``SuffixDecodingCache`` (vLLM's ``suffix`` method imports it too)."""
+    """arctic-inference's ``SuffixDecodingCache`` (vLLM's ``suffix`` method imports it too):
+    importable as installed, else from ``make suffix-decoding``'s build, whose directory is
+    then appended to ``sys.path`` (it holds that package only)."""
     try:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
     except ImportError as e:
-        raise ConfigError(
-            f"{ENV_SUFFIX_DRAFTS} needs arctic-inference's suffix decoding, which is not "
-            f"importable ({e}); `make suffix-decoding` builds it for this CPU (put its directory "
-            f"on PYTHONPATH), or unset {ENV_SUFFIX_DRAFTS}"
-        ) from e
+        built = SUFFIX_DECODING_DIR / "arctic_inference" / "suffix_decoding"
+        if not built.is_dir() or str(SUFFIX_DECODING_DIR) in sys.path:
+            raise ConfigError(
+                f"{ENV_SUFFIX_DRAFTS} needs arctic-inference's suffix decoding, which is not "
+                f"importable ({e}) nor built in {SUFFIX_DECODING_DIR}; `make suffix-decoding` "
+                f"builds it for this CPU, or unset {ENV_SUFFIX_DRAFTS}"
+            ) from e
+        sys.path.append(str(SUFFIX_DECODING_DIR))
+        return suffix_cache_class()
     return SuffixDecodingCache
 
 

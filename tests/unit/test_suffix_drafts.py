@@ -92,6 +92,30 @@ def test_checkpoint_default_is_followed_unless_the_user_says_otherwise(monkeypat
         assert opts.suffix_min_score is None and opts.suffix_skipped is None
 
 
+def test_suffix_trees_are_found_in_the_projects_build_without_pythonpath(tmp_path, monkeypatch):
+    import sys
+
+    import vllm_specstream.suffix_drafts as suffix_drafts
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if "suffix-decoding" not in p])
+    for name in [m for m in sys.modules if m.startswith("arctic_inference")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(suffix_drafts, "SUFFIX_DECODING_DIR", tmp_path)
+    with pytest.raises(ConfigError, match=f"nor built in {tmp_path}; `make suffix-decoding`"):
+        suffix_drafts.suffix_cache_class()
+    assert str(tmp_path) not in sys.path
+    package = tmp_path / "arctic_inference" / "suffix_decoding"
+    package.mkdir(parents=True)
+    (tmp_path / "arctic_inference" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("class SuffixDecodingCache:\n    built = True\n")
+    try:
+        assert suffix_drafts.suffix_cache_class().built
+        assert sys.path[-1] == str(tmp_path)
+    finally:  # the stand-in leaves; monkeypatch puts back what was imported before
+        for name in [m for m in sys.modules if m.startswith("arctic_inference")]:
+            del sys.modules[name]
+
+
 def test_settings_follow_vllms_suffix_fields():
     spec = SimpleNamespace(suffix_decoding_max_tree_depth=16, suffix_decoding_min_token_prob=0.3)
     s = SuffixSettings.of(spec)
@@ -174,10 +198,8 @@ def _arctic_importable() -> bool:
     not _arctic_importable(),
     reason="arctic-inference's suffix trees are not built here (make suffix-decoding)",
 )
-def test_real_suffix_trees_draft_what_the_prompt_repeats(monkeypatch):
-    from vllm_specstream.bench import SUFFIX_DECODING_DIR
-
-    monkeypatch.syspath_prepend(str(SUFFIX_DECODING_DIR))
+def test_real_suffix_trees_draft_what_the_prompt_repeats():
+    # Found in make suffix-decoding's build without PYTHONPATH (suffix_cache_class).
     trees = SuffixDrafts(SuffixSettings(), max_model_len=128)
     prompt = [11, 12, 13, 14, 15, 16, 11, 12]
     tokens = np.zeros((1, 32), dtype=np.int32)

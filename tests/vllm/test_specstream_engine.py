@@ -1,7 +1,6 @@
 """Speculative streaming on real vLLM engines: lossless greedy, drafts flow, clear errors."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 from engine_child import CHILD, run_child
 
-from vllm_specstream.bench import SUFFIX_DECODING_DIR, has_suffix_decoding
+from vllm_specstream.bench import has_suffix_decoding
 from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
 from vllm_specstream.options import ENV_STREAM_DTYPE, ENV_TREE_TOP_K
 
@@ -99,12 +98,8 @@ TREE_ENV = {ENV_TREE_TOP_K: "2", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 #: "suffix": chains with suffix-tree drafts wherever the trees have one (threshold 0, the
 #: checkpoint's ``specstream.suffix_drafts`` default: :func:`suffix_checkpoint`), the
 #: streams elsewhere; run where arctic-inference's suffix trees are built
-#: (``make suffix-decoding``), with requests preempted and recomputed mid-generation.
-SUFFIX_ENV = {
-    "PYTHONPATH": os.pathsep.join(
-        p for p in (str(SUFFIX_DECODING_DIR), os.environ.get("PYTHONPATH")) if p
-    ),
-}
+#: (``make suffix-decoding``: the engine finds that build without PYTHONPATH), with
+#: requests preempted and recomputed mid-generation.
 
 
 def suffix_checkpoint(ckpt: Path, out: Path, suffix_drafts: str) -> Path:
@@ -144,7 +139,6 @@ def runs(request, tiny_merged, tmp_path_factory):
             3,
             engine,
             requests,
-            env=SUFFIX_ENV,
             **layout,
         )
         if p == "suffix"
