@@ -85,6 +85,12 @@ def test_a_good_setup_passes(tmp_path):
             r"ckpt/config.json \(specstream\): format_version is 99.*upgrade vllm-specstream",
         ),
         (
+            {"suffix_drafts": "always"},
+            2,
+            r"ckpt/config.json \(specstream\): suffix_drafts must be 'on', 'off' or a score "
+            r"threshold >= 0, got 'always'",
+        ),
+        (
             {"streams_shape": (3, HIDDEN // 2)},
             2,
             r"specstream.safetensors: tensor specstream.stream_embeddings has shape \[3, 4\], "
@@ -317,6 +323,11 @@ def test_suffix_drafts_need_arctic_inference_and_chains(tmp_path, monkeypatch):
     ):
         check(ckpt, k=2)
     check(ckpt, k=None)  # not speculating: nothing to draft with
+    # A checkpoint's default is no error without arctic-inference (the engine says why).
+    monkeypatch.delenv("SPECSTREAM_SUFFIX_DRAFTS")
+    (tmp_path / "default").mkdir()
+    check(make_checkpoint(tmp_path / "default", suffix_drafts="on"), k=2)
+    monkeypatch.setenv("SPECSTREAM_SUFFIX_DRAFTS", "on")
     monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "2")
     with pytest.raises(ConfigError, match="drafts chains beside the streams, not trees"):
         check(ckpt, k=2)
