@@ -21,6 +21,7 @@ def test_card_has_the_three_models_and_vllm_rows(tmp_path):
         "stream_lr": 2e-2,
     }
     (adapter / "train_args.json").write_text(json.dumps(args))
+    SpecStreamConfig(num_streams=4, num_msa_layers=15, suffix_drafts="on").save(adapter)
     # two resumed segments: 100 s + 200 s
     log = [{"elapsed_s": 50.0}, {"elapsed_s": 100.0}, {"elapsed_s": 20.0}, {"elapsed_s": 200.0}]
     (adapter / "train_log.jsonl").write_text("\n".join(json.dumps(x) for x in log))
@@ -78,6 +79,7 @@ def test_card_has_the_three_models_and_vllm_rows(tmp_path):
     assert "cut by group, val_fraction 0.15, seed 0" in card
     assert "| tokens_per_step, tree (top-2) | 3.30 |" in card
     assert "identical outputs: True" in card
+    assert "| suffix drafts beside the streams (serving default) | on |\n| wall time |" in card
     # A chain-only eval (--tree-top-k 0) has no tree row and says so.
     chain_only = {**result, "tokens_per_step": {"chain": 2.9, "tree": None, "tree_top_k": 0}}
     (tmp_path / "eval.json").write_text(json.dumps(chain_only))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vllm_specstream.config import CONFIG_FILE, SpecStreamConfig
 from vllm_specstream.machine import describe_machine
 
 #: Quality keys ``specstream eval`` may report (training/metrics.py ``task_metrics``).
@@ -71,6 +72,14 @@ def _bench_section(bench: dict | None) -> str:
 """
 
 
+def _serving_default(adapter_dir: Path) -> str:
+    """The settings row of the adapter's serving default of suffix drafts, if it has one."""
+    if not (adapter_dir / CONFIG_FILE).is_file():
+        return ""
+    value = SpecStreamConfig.load(adapter_dir).suffix_drafts
+    return f"| suffix drafts beside the streams (serving default) | {value} |\n" if value else ""
+
+
 def _learning_rates(args: dict) -> str:
     """The run's learning rates (the main LoRA's apart when it had its own)."""
     lora_lr = args.get("lora_lr")
@@ -128,7 +137,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules", []))} |
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
 | learning rates | {_learning_rates(args)} |
-| wall time | {wall_text} of training (sum over resumed runs) on {args.get("trained_on") or describe_machine()} |
+{_serving_default(adapter_dir)}| wall time | {wall_text} of training (sum over resumed runs) on {args.get("trained_on") or describe_machine()} |
 {"" if not note else chr(10) + note + chr(10)}
 ## Measured on {_measured_on(result)} ({result["num_prompts"]} prompts, greedy)
 
