@@ -273,6 +273,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
         print(f"specstream export: error: {e}", file=sys.stderr)
         return 2
     print(f"Merged checkpoint written: {out}")
+    suffix = json.loads((out / "config.json").read_text())["specstream"].get("suffix_drafts")
+    if suffix:
+        print(
+            f"Serves with suffix drafts beside the streams by default ({suffix}; needs "
+            "arctic-inference: make suffix-decoding; SPECSTREAM_SUFFIX_DRAFTS=off turns them off)"
+        )
     return 0
 
 

@@ -200,6 +200,19 @@ def test_cli_train_export_eval(tiny_base, tmp_path):
     assert "train specstream" in out.stderr  # the progress bar
     out = run("export", str(tmp_path / "a"), str(tmp_path / "m"), "--merge")
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "suffix drafts" not in out.stdout  # no serving default: nothing to say
+    out = run(
+        "export", str(tmp_path / "a"), str(tmp_path / "s"), "--merge", "--suffix-drafts", "on"
+    )
+    assert out.returncode == 0 and "Serves with suffix drafts beside the streams" in out.stdout
+    assert (
+        json.loads((tmp_path / "s" / "config.json").read_text())["specstream"]["suffix_drafts"]
+        == "on"
+    )
+    out = run("export", str(tmp_path / "a"), str(tmp_path / "x"), "--merge", "--suffix-drafts", "x")
+    assert out.returncode == 2 and out.stderr.strip().endswith(
+        "suffix_drafts must be 'on', 'off' or a score threshold >= 0, got 'x'"
+    ), out.stderr
     out = run(
         "eval",
         "--checkpoint",
