@@ -204,9 +204,15 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
         spec = None
     k = spec.num_speculative_tokens if spec is not None else 0
     schedule = getattr(spec, SCHEDULE_OPTION, None) if spec is not None else None
-    default = checkpoint_suffix_drafts(vllm_config) if k else None
+    # Suffix drafts: the variable where set, else the checkpoint's default where it can be
+    # followed (why not, said by the proposer).
     user_suffix = bool(environ.get(ENV_SUFFIX_DRAFTS, "").strip())
-    suffix_min_score = suffix_drafts_from(environ, default) if k else None
+    default = checkpoint_suffix_drafts(vllm_config) if k and not user_suffix else None
+    suffix_skipped = suffix_default_skipped(environ, default) if default is not None else None
+    if default is None or suffix_skipped:
+        suffix_min_score = suffix_drafts_from(environ) if k else None
+    else:
+        suffix_min_score = suffix_min_score_from(default)
     return SpecStreamOptions(
         num_speculative_tokens=k or 0,
         placement=placement_of(getattr(spec, "model", None)) if spec is not None else None,
@@ -217,9 +223,7 @@ def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> 
         tree_prune=tree_prune_from(environ) if k else None,
         suffix_min_score=suffix_min_score,
         suffix_from_checkpoint=suffix_min_score is not None and not user_suffix,
-        suffix_skipped=None
-        if default is None or user_suffix
-        else suffix_default_skipped(environ, default),
+        suffix_skipped=suffix_skipped,
     )
 
 
@@ -229,18 +233,10 @@ SUFFIX_WITH_TREES = (
 )
 
 
-def suffix_drafts_from(
-    environ: Mapping[str, str], checkpoint_default: str | None = None
-) -> float | None:
-    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:func:`~vllm_specstream.suffix_drafts.suffix_min_score_from`),
-    refused beside draft trees; unset, the checkpoint's default where it can be followed
-    (:func:`suffix_default_skipped`)."""
-    text = environ.get(ENV_SUFFIX_DRAFTS, "")
-    if not text.strip():
-        if checkpoint_default is None or suffix_default_skipped(environ, checkpoint_default):
-            return None
-        return suffix_min_score_from(checkpoint_default)
-    score = suffix_min_score_from(text)
+def suffix_drafts_from(environ: Mapping[str, str]) -> float | None:
+    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:func:`~vllm_specstream.suffix_drafts.suffix_min_score_from`);
+    refused beside draft trees."""
+    score = suffix_min_score_from(environ.get(ENV_SUFFIX_DRAFTS, ""))
     if score is not None and tree_top_k_from(environ) is not None:
         raise ConfigError(SUFFIX_WITH_TREES)
     return score
@@ -270,8 +266,8 @@ def suffix_default_skipped(environ: Mapping[str, str], checkpoint_default: str) 
         return (
             f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed: "
             "arctic-inference's suffix decoding is not importable, so the streams draft alone "
-            "(`make suffix-decoding` builds it for this CPU; put its directory on PYTHONPATH, "
-            f"or set {ENV_SUFFIX_DRAFTS}=off to silence this)"
+            "(`make suffix-decoding` builds it for this CPU where the plugin finds it, or set "
+            f"{ENV_SUFFIX_DRAFTS}=off to silence this)"
         )
     return None
 
