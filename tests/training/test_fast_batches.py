@@ -16,8 +16,8 @@ from vllm_specstream.training.fast_batches import (
     pack_rows,
     prefix_hidden,
 )
-from vllm_specstream.training.loss import specstream_loss
-from vllm_specstream.training.model import SpecStreamModel
+from vllm_specstream.training.loss import select_anchors, specstream_loss
+from vllm_specstream.training.model import SpecStreamModel, attention_blocks
 from vllm_specstream.training.train import collate, train
 
 
@@ -78,6 +78,71 @@ def test_packed_and_cached_batches_equal_the_padded_batch(prune):
             assert metrics[k] == pytest.approx(want_metrics[k], rel=1e-4, abs=1e-5), k
         for name, g in want_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def projected_rows(model, batch, objective):
+    """The loss and gradients of ``batch``, and how many rows the last layer's q and o
+    projections saw (main and stream rows together)."""
+    layer = model.decoder.layers[-1].self_attn
+    seen = {"q": 0, "o": 0}
+
+    def count(name):
+        def hook(module, args):
+            seen[name] += args[0].shape[:-1].numel()
+
+        return hook
+
+    hooks = [layer.q_proj.register_forward_pre_hook(count("q"))]
+    hooks.append(layer.o_proj.register_forward_pre_hook(count("o")))
+    try:
+        model.zero_grad()
+        loss, _ = specstream_loss(model, batch, objective)
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, seen
+
+
+@pytest.mark.parametrize("objective", ["specstream", "ntp", "streams-only"])
+def test_packed_pass_projects_only_the_rows_a_loss_reads(objective):
+    """Padding positions, padding anchors' streams and the last layer's unread outputs cost
+    no projection, and the loss and gradients are those of the full pass."""
+    model = lora_model([3, 4, 5])
+    packed = pack_batch(examples(7, seed=3), 64, 3).as_dict()
+    full = dict(packed, skip_unread=False)
+    want_loss, want_grads, full_rows = projected_rows(model, full, objective)
+    loss, grads, rows = projected_rows(model, packed, objective)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+    labels, real = packed["labels_mask"], packed["attention_mask"]
+    r, t = labels.shape
+    assert r < 7  # rows hold several examples, whose streams attend per example
+    anchors = select_anchors(labels, 3) if objective != "ntp" else torch.empty(r, 0)
+    stream_rows, all_stream_rows = int((anchors >= 0).sum()) * 3, anchors.numel() * 3
+    read = 0 if objective == "streams-only" else int(labels[:, 1:].sum())
+    if objective != "ntp":
+        assert all_stream_rows > stream_rows  # the batch has padding anchors, and padding
+    assert r * t > int(real.sum())
+    assert full_rows == {"q": r * t + all_stream_rows, "o": r * t + all_stream_rows}
+    assert rows == {"q": int(real.sum()) + stream_rows, "o": read + stream_rows}
+
+
+def test_attention_blocks_are_runs_of_anchors_of_one_example():
+    def sees(p0, p1, width=10):
+        return [p0 <= p < p1 for p in range(width)]
+
+    mask = torch.tensor(
+        [
+            [sees(0, 3), sees(0, 4), sees(5, 7), sees(5, 8), sees(0, 0)],
+            [sees(0, 2), sees(0, 9), sees(0, 0), sees(0, 0), sees(0, 0)],
+        ]
+    )
+    assert attention_blocks(mask) == [[(0, 2, 0, 4), (2, 4, 5, 8)], [(0, 2, 0, 9)]]
 
 
 def test_cross_example_attention_would_change_the_loss():

@@ -10,6 +10,10 @@ Two independent savings, both exact up to floating-point summation order:
   instead of being padded to the longest one. Each example keeps its own positions (from 0)
   and sees only itself (a block-diagonal causal mask), so every loss term is the one the
   padded batch computes, over the same target positions.
+* **Unread rows.** A packed batch's rows still end in padding, and its rows' anchors are
+  padded to the row with the most: the projections of a packed pass skip padding positions,
+  padding anchors' streams and the last layer's output where no loss term reads it
+  (``rows_read`` of :meth:`SpecStreamModel.forward`).
 """
 
 from __future__ import annotations
@@ -151,6 +155,8 @@ class PackedBatch:
     hidden: Tensor | None = None
     """``[R, L, h]`` cached residual stream entering ``start_layer``, if any."""
     start_layer: int = 0
+    skip_unread: bool = True
+    """Compute only the rows a loss term depends on (no padding rows, no unread outputs)."""
 
     def as_dict(self) -> dict:
         return {k: v for k, v in vars(self).items() if v is not None}

@@ -46,6 +46,15 @@ def main_rows(hidden: Tensor, input_ids: Tensor, labels_mask: Tensor) -> tuple[T
     return hidden[:, :-1][next_valid], input_ids[:, 1:][next_valid]
 
 
+def main_rows_read(labels_mask: Tensor, main_loss: bool) -> Tensor:
+    """``[B, T]`` positions whose final main hidden state a loss term reads: those whose next
+    token is a completion token (none when the main stream has no loss term)."""
+    read = torch.zeros_like(labels_mask)
+    if main_loss:
+        read[:, :-1] = labels_mask[:, 1:]
+    return read
+
+
 def specstream_loss(
     model: SpecStreamModel, batch: dict[str, Tensor], objective: str = "specstream"
 ) -> tuple[Tensor, dict[str, float]]:
@@ -53,7 +62,8 @@ def specstream_loss(
 
     ``batch``: ``input_ids``, ``attention_mask``, ``labels_mask`` (True on completion tokens),
     all ``[B, T]``, right-padded; a packed batch (:mod:`fast_batches`) adds ``positions``,
-    ``new_mask`` and possibly a cached ``hidden`` with its ``start_layer``. ``objective``:
+    ``new_mask``, possibly a cached ``hidden`` with its ``start_layer``, and ``skip_unread``
+    (compute only the rows a loss term depends on: ``rows_read`` of the model's forward). ``objective``:
     "specstream" (eq. 5), "ntp" (main only), "streams-only" (the streams' terms of eq. 5: the
     main stream is the frozen base) or "prune" (the pruning adapter alone, on a trained
     checkpoint: the same term as in eq. 5 training, whose input is detached anyway).
@@ -65,6 +75,8 @@ def specstream_loss(
         return _prune_loss(model, ids, attn, labels, packed)
     streams = objective in ("specstream", "streams-only")
     anchors = select_anchors(labels, cfg.num_streams) if streams else None
+    if batch.get("skip_unread"):
+        packed["rows_read"] = main_rows_read(labels, objective != "streams-only")
     out = model(ids, anchors=anchors, attention_mask=attn, **packed)
     hidden, targets = main_rows(out.main_hidden, ids, labels)
     metrics: dict[str, float] = {}

@@ -14,6 +14,7 @@ the per-layer main keys/values are at hand for the streams. This holds for the L
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,34 @@ Tensor = torch.Tensor
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 KVCache = list[tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class RowSubset:
+    """Some rows of tensors whose leading dims are ``lead``: the projections (the bulk of a
+    layer's arithmetic) run on those rows only, in one matmul over the compacted rows."""
+
+    index: Tensor
+    """Flat indices (over the leading dims) of the rows kept, ascending."""
+    lead: tuple[int, ...]
+
+    @classmethod
+    def of(cls, keep: Tensor) -> RowSubset:
+        """The rows where the bool tensor ``keep`` (shape ``lead``) is set."""
+        return cls(keep.flatten().nonzero().squeeze(1), tuple(keep.shape))
+
+    def take(self, x: Tensor) -> Tensor:
+        """``[N, ...]``: the kept rows of ``x`` ``[*lead, ...]``."""
+        return x.flatten(0, len(self.lead) - 1).index_select(0, self.index)
+
+    def put(self, rows: Tensor, into: Tensor | None = None) -> Tensor:
+        """``[*lead, ...]``: ``rows`` at the kept rows; elsewhere ``into``'s rows (zeros when
+        None)."""
+        if into is None:
+            flat = rows.new_zeros(math.prod(self.lead), *rows.shape[1:])
+        else:
+            flat = into.flatten(0, len(self.lead) - 1)
+        return flat.index_copy(0, self.index, rows).view(*self.lead, *rows.shape[1:])
 
 
 @dataclass
@@ -156,6 +185,56 @@ class StreamLoRAProjections:
         return self.base.down(x) + self._delta("down", x)
 
 
+#: A run of one row's anchors and the main keys they see: ``(a0, a1, p0, p1)``, anchors
+#: ``a0 <= a < a1`` see main keys in ``[p0, p1)`` only.
+AttentionBlock = tuple[int, int, int, int]
+
+
+def attention_blocks(main_mask: Tensor) -> list[list[AttentionBlock]]:
+    """Per row of ``main_mask`` ``[B, A, P]``, runs of consecutive anchors whose visible main
+    keys start at the same key (one packed example), with the span of keys they see; anchors
+    that see no key (padding) are in no block. Their attention over that span alone is the
+    attention over the whole row: every key outside it is masked."""
+    seen = main_mask.any(-1)
+    p = main_mask.shape[-1]
+    first = main_mask.int().argmax(-1)
+    end = p - main_mask.flip(-1).int().argmax(-1)
+    out = []
+    for row_seen, row_first, row_end in zip(seen.tolist(), first.tolist(), end.tolist()):
+        blocks: list[list[int]] = []
+        for a, (ok, p0, p1) in enumerate(zip(row_seen, row_first, row_end)):
+            if not ok:
+                continue
+            last = blocks[-1] if blocks else None
+            if last is not None and last[1] == a and last[2] == p0:
+                last[1], last[3] = a + 1, max(last[3], p1)
+            else:
+                blocks.append([a, a + 1, p0, p1])
+        out.append([tuple(b) for b in blocks])
+    return out
+
+
+@dataclass
+class SubsetProjections:
+    """:class:`StreamProjections` computed on a :class:`RowSubset` of the rows only (the
+    others get zeros): the streams of padding anchors cost no matmul."""
+
+    base: HFProjections | StreamLoRAProjections
+    rows: RowSubset
+
+    def qkv(self, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(self.rows.put(y) for y in self.base.qkv(self.rows.take(x)))
+
+    def o(self, x: Tensor) -> Tensor:
+        return self.rows.put(self.base.o(self.rows.take(x)))
+
+    def gate_up(self, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(self.rows.put(y) for y in self.base.gate_up(self.rows.take(x)))
+
+    def down(self, x: Tensor) -> Tensor:
+        return self.rows.put(self.base.down(self.rows.take(x)))
+
+
 @dataclass
 class HFStreamOps:
     """:class:`StreamLayerOps` of an HF decoder layer for streams ``[B, A, G, h]`` over the
@@ -172,6 +251,9 @@ class HFStreamOps:
     v_main: Tensor
     main_mask: Tensor
     """``[B, A, P]`` main keys each anchor's streams see."""
+    blocks: list[list[AttentionBlock]] | None = None
+    """:func:`attention_blocks` of ``main_mask``: attention per block only (padding anchors
+    get zeros); None: over every anchor and key of the row."""
 
     def input_norm(self, s: Tensor) -> Tensor:
         return self.layer.input_layernorm(s)
@@ -187,9 +269,38 @@ class HFStreamOps:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         scale = self.layer.self_attn.scaling
-        o = multi_stream_attention(q, self.k_main, self.v_main, k, v, self.main_mask, scale)
+        if self.blocks is None:
+            o = multi_stream_attention(q, self.k_main, self.v_main, k, v, self.main_mask, scale)
+        else:
+            o = self._attend_blocks(q, k, v, scale)
         b, h, a, g, d = o.shape
         return o.permute(0, 2, 3, 1, 4).reshape(b, a, g, h * d)
+
+    def _attend_blocks(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        b, h, a, g, d = q.shape
+        rows = []
+        for r, blocks in enumerate(self.blocks):
+            parts, at = [], 0
+            for a0, a1, p0, p1 in blocks:
+                if a0 > at:
+                    parts.append(q.new_zeros(1, h, a0 - at, g, d))
+                rs, ks = slice(r, r + 1), slice(p0, p1)
+                parts.append(
+                    multi_stream_attention(
+                        q[rs, :, a0:a1],
+                        self.k_main[rs, :, ks],
+                        self.v_main[rs, :, ks],
+                        k[rs, :, a0:a1],
+                        v[rs, :, a0:a1],
+                        self.main_mask[rs, a0:a1, ks],
+                        scale,
+                    )
+                )
+                at = a1
+            if at < a:
+                parts.append(q.new_zeros(1, h, a - at, g, d))
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows, dim=0)
 
     def post_norm(self, s: Tensor) -> Tensor:
         return self.layer.post_attention_layernorm(s)
@@ -278,12 +389,22 @@ class SpecStreamModel(nn.Module):
         sin: Tensor,
         attn_mask: Tensor,
         cache: tuple[Tensor, Tensor] | None,
+        qkv_rows: RowSubset | None = None,
+        out_rows: RowSubset | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Main stream through ``layer``; returns (h, K, V) with K/V over all cached positions."""
+        """Main stream through ``layer``; returns (h, K, V) with K/V over all cached positions.
+
+        ``qkv_rows``: the only positions whose queries/keys/values are computed (zeros
+        elsewhere: padding, whose keys are masked); ``out_rows``: the only positions whose
+        output is computed (elsewhere ``h`` passes unchanged: rows nobody reads)."""
         attn, cfg = layer.self_attn, self.causal_lm.config
         n_heads, n_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
         x = layer.input_layernorm(h)
-        q, k, v = split_heads(HFProjections(layer).qkv(x), n_heads, n_kv, d)  # [B, T, *, D]
+        if qkv_rows is None:
+            qkv = HFProjections(layer).qkv(x)
+        else:
+            qkv = SubsetProjections(HFProjections(layer), qkv_rows).qkv(x)
+        q, k, v = split_heads(qkv, n_heads, n_kv, d)  # [B, T, *, D]
         q = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None])
         k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
         v = v.transpose(1, 2)
@@ -293,9 +414,14 @@ class SpecStreamModel(nn.Module):
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask[:, None], scale=attn.scaling, enable_gqa=True
         )
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(*h.shape[:-1], n_heads * d))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, k, v
+        o = o.transpose(1, 2).reshape(*h.shape[:-1], n_heads * d)
+        if out_rows is None:
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            return h, k, v
+        r = out_rows.take(h) + attn.o_proj(out_rows.take(o))
+        r = r + layer.mlp(layer.post_attention_layernorm(r))
+        return out_rows.put(r, into=h), k, v
 
     def _stream_layer(
         self,
@@ -307,14 +433,20 @@ class SpecStreamModel(nn.Module):
         k_main: Tensor,
         v_main: Tensor,
         main_mask: Tensor,
+        rows: RowSubset | None = None,
+        blocks: list[list[AttentionBlock]] | None = None,
     ) -> Tensor:
-        """Streams ``[B, A, G, h]`` through ``layer`` with multi-stream attention."""
+        """Streams ``[B, A, G, h]`` through ``layer`` with multi-stream attention; ``rows``:
+        the only stream rows whose projections are computed (zeros elsewhere); ``blocks``:
+        attention per :func:`attention_blocks` block."""
         cfg = self.causal_lm.config
         heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        ops = HFStreamOps(layer, *heads, cos, sin, k_main, v_main, main_mask)
+        ops = HFStreamOps(layer, *heads, cos, sin, k_main, v_main, main_mask, blocks)
         projections = HFProjections(layer)
         if self.config.stream_lora_rank > 0:
             projections = StreamLoRAProjections(projections, self.stream_lora(msa_index))
+        if rows is not None:
+            projections = SubsetProjections(projections, rows)
         return run_layer(stream_layer(s, ops), projections)
 
     def _enter_streams(self, h: Tensor, anchors: Tensor, positions: Tensor, attn_mask: Tensor):
@@ -345,6 +477,7 @@ class SpecStreamModel(nn.Module):
         hidden: Tensor | None = None,
         start_layer: int = 0,
         stop_layer: int | None = None,
+        rows_read: Tensor | None = None,
     ) -> StreamOutput:
         """Main stream for ``input_ids`` ``[B, T]`` and streams at ``anchors`` ``[B, A]``.
 
@@ -361,6 +494,11 @@ class SpecStreamModel(nn.Module):
         it must not be above L0 or the pruning layer, whose inputs are taken from it.
         ``stop_layer`` ends the pass at the input of that layer (no main hidden state, no
         streams above it): what training the pruning adapter alone needs.
+        ``rows_read`` ``[B, T]`` (training): the only positions whose ``main_hidden`` the
+        caller reads. Then the projections skip what no loss term depends on: padding
+        positions in every layer, the last layer's attention output and MLP outside
+        ``rows_read`` (``main_hidden`` is not computed there) and padding anchors' streams,
+        whose attention runs per packed example over that example's keys only.
         """
         b, t = input_ids.shape
         past = 0 if cache is None else cache[0][0].shape[2]
@@ -390,6 +528,16 @@ class SpecStreamModel(nn.Module):
         cos, sin = decoder.rotary_emb(h, positions)
         main_grad = torch.is_grad_enabled() and self.main_trains()
         s = s_cos = s_sin = main_mask = prune_input = msa_input = None
+        real_rows = last_rows = stream_rows = blocks = None
+        if rows_read is not None:
+            if cache is not None or use_cache:
+                raise ValueError("rows_read is for training passes, without a cache")
+            real = key_valid[:, past:]
+            real_rows, last_rows = RowSubset.of(real), RowSubset.of(rows_read & real)
+            if anchors is not None:
+                g = self.config.num_streams
+                stream_rows = RowSubset.of((anchors >= 0)[..., None].expand(-1, -1, g))
+        last = len(decoder.layers) - 1
         new_cache: KVCache = []
         for i, layer in enumerate(decoder.layers):
             if i < start_layer:
@@ -402,15 +550,26 @@ class SpecStreamModel(nn.Module):
                 break
             if i == self.first_msa_layer and anchors is not None:
                 s, s_cos, s_sin, main_mask = self._enter_streams(h, anchors, positions, attn_mask)
+                if rows_read is not None:
+                    blocks = attention_blocks(main_mask)
             with torch.set_grad_enabled(main_grad):
                 h, k, v = self._main_layer(
-                    layer, h, cos, sin, attn_mask, None if cache is None else cache[i]
+                    layer,
+                    h,
+                    cos,
+                    sin,
+                    attn_mask,
+                    None if cache is None else cache[i],
+                    real_rows,
+                    last_rows if i == last else real_rows,
                 )
             if use_cache:
                 new_cache.append((k, v))
             if s is not None:
                 msa_index = i - self.first_msa_layer
-                s = self._stream_layer(layer, msa_index, s, s_cos, s_sin, k, v, main_mask)
+                s = self._stream_layer(
+                    layer, msa_index, s, s_cos, s_sin, k, v, main_mask, stream_rows, blocks
+                )
         norm = decoder.norm
         stopped = stop_layer is not None and stop_layer < len(decoder.layers)
         return StreamOutput(
