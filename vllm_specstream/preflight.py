@@ -26,6 +26,7 @@ from vllm_specstream.options import (
     TREES_TP_ERROR,
     SpecStreamOptions,
     draft_tree_of,
+    read_options,
     suffix_drafts_from,
     tree_prune_from,
     tree_top_k_from,
@@ -144,6 +145,24 @@ def check_setup(
         )
     if local and str(load_format) in SAFETENSORS_LOAD_FORMATS:
         check_stream_tensors(model_dir, config, hf_config)
+
+
+def check_options(vllm_config, environ=None) -> SpecStreamOptions:
+    """The runtime options exactly as the engine's model and proposer will read them
+    (:func:`~vllm_specstream.options.read_options`), read here so that a bad variable or a
+    malformed ``num_speculative_tokens_per_batch_size`` (vLLM's own validator) is refused
+    before the engine spawns."""
+    options = read_options(vllm_config, environ)
+    if options.schedule:
+        from vllm_specstream.vllm_schedule import schedule_lookup
+
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        max_seqs = max(int(getattr(scheduler, "max_num_seqs", 0) or 0), 1)
+        try:
+            schedule_lookup(list(options.schedule), max_seqs, options.num_speculative_tokens)
+        except ValueError as e:
+            raise ConfigError(f"speculative_config {e}") from e
+    return options
 
 
 def serves_specstream(architectures, spec_method: str | None, spec_model: str | None) -> bool:

@@ -174,6 +174,45 @@ def test_the_vllm_hook_reads_the_current_platform(tmp_path, monkeypatch):
     check_vllm_config(vllm_config)
 
 
+@pytest.mark.parametrize(
+    "env, schedule, message",
+    [
+        ({"SPECSTREAM_STREAM_DTYPE": "fp8"}, None, "SPECSTREAM_STREAM_DTYPE='fp8': choose one"),
+        ({"SPECSTREAM_DRAFT_MIN_PROB": "2"}, None, "SPECSTREAM_DRAFT_MIN_PROB='2': expected"),
+        ({}, [(1, 2)], "speculative_config num_speculative_tokens_per_batch_size=[(1, 2)]"),
+        ({}, [(2, 8, 2)], "num_speculative_tokens_per_batch_size=[(2, 8, 2)]"),
+        ({}, [(1, 4, 2), (5, 8, 0)], None),
+    ],
+)
+def test_the_vllm_hook_reads_the_runtime_options(tmp_path, monkeypatch, env, schedule, message):
+    """Bad runtime variables and a schedule vLLM's validator refuses are refused in the
+    front-end, before any engine starts (the worker would read the same options)."""
+    pytest.importorskip("vllm")
+    from vllm_specstream.patches.engine_config_check import check_vllm_config
+
+    ckpt = make_checkpoint(tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model=str(ckpt), hf_config=SimpleNamespace(**config)),
+        speculative_config=SimpleNamespace(
+            method="custom_class",
+            model=PROPOSER,
+            num_speculative_tokens=2,
+            num_speculative_tokens_per_batch_size=schedule,
+        ),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        load_config=SimpleNamespace(load_format="auto"),
+    )
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if message is None:
+        check_vllm_config(vllm_config)
+        return
+    with pytest.raises(ConfigError) as refused:
+        check_vllm_config(vllm_config)
+    assert message in str(refused.value)
+
+
 def test_stream_params_follow_the_config_shapes():
     """The model's parameters and the front-end's check share one definition."""
     pytest.importorskip("torch")

@@ -1,6 +1,7 @@
 """Speculative streaming on real vLLM engines: lossless greedy, drafts flow, clear errors."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -370,12 +371,21 @@ BROKEN_SETUPS = {
         2,
         "tensor specstream.stream_embeddings has shape [3, 64], expected [3, 128]",
     ),
+    "bad-stream-dtype-variable": (
+        lambda ckpt, tmp: ckpt,
+        2,
+        "SPECSTREAM_STREAM_DTYPE='fp8': choose one of",
+        {"SPECSTREAM_STREAM_DTYPE": "fp8"},
+    ),
 }
 
 
-def last_line_of_failed_start(ckpt: Path, k: int, front_end: str) -> tuple[str, str]:
-    """Start ``ckpt`` as a user would (``LLM(...)`` or ``vllm serve``); it must fail. Returns
-    the last non-empty line of the combined output, and the whole output."""
+def last_line_of_failed_start(
+    ckpt: Path, k: int, front_end: str, env: dict | None = None
+) -> tuple[str, str]:
+    """Start ``ckpt`` as a user would (``LLM(...)`` or ``vllm serve``, with ``env`` added to
+    the environment); it must fail. Returns the last non-empty line of the combined output,
+    and the whole output."""
     from helpers import free_port, venv_script
 
     if front_end == "LLM":
@@ -400,7 +410,12 @@ def last_line_of_failed_start(ckpt: Path, k: int, front_end: str) -> tuple[str, 
             str(free_port()),
         ]
     out = subprocess.run(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
     )
     assert out.returncode != 0, out.stdout[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.strip()]
@@ -412,8 +427,8 @@ def last_line_of_failed_start(ckpt: Path, k: int, front_end: str) -> tuple[str, 
 def test_broken_setup_names_the_cause_last(tiny_merged, tmp_path, setup, front_end):
     """Each broken setup fails in the front-end, before vLLM spawns an engine, and the last
     line a user sees is the error naming the file, field or flag and the fix."""
-    make, k, message = BROKEN_SETUPS[setup]
-    last, log = last_line_of_failed_start(make(tiny_merged, tmp_path), k, front_end)
+    make, k, message, *env = BROKEN_SETUPS[setup]
+    last, log = last_line_of_failed_start(make(tiny_merged, tmp_path), k, front_end, *env)
     assert message in last, log[-4000:]
     assert last.startswith("vllm_specstream.config.ConfigError: "), last
     assert "EngineCore" not in log, log[-4000:]  # no engine process was started

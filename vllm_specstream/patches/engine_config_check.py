@@ -6,7 +6,8 @@ vLLM 0.32 builds and validates ``VllmConfig`` in the front-end process
 the model is built and the ``custom_class`` proposer imported. Errors raised there reach the
 user inside several processes' tracebacks; raised here they are the last line printed. The
 wrapper below lets vLLM build the config, then runs
-:func:`vllm_specstream.preflight.check_setup` on it. For a specstream engine on a CPU
+:func:`vllm_specstream.preflight.check_setup` and, for a specstream engine,
+:func:`~vllm_specstream.preflight.check_options` on it. For a specstream engine on a CPU
 without native bf16 it also acts on the dtype (:func:`vllm_specstream.preflight.dtype_advice`):
 with ``--dtype auto`` and a bf16 checkpoint the config is built in float32 (said once);
 with an explicit ``--dtype bfloat16``, a warning with the fix. ``register()`` applies it in
@@ -25,7 +26,7 @@ def check_vllm_config(vllm_config) -> None:
     place that reads ``VllmConfig`` fields for it)."""
     from vllm.platforms import current_platform
 
-    from vllm_specstream.preflight import check_setup
+    from vllm_specstream.preflight import check_options, check_setup, serves_specstream
 
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
@@ -42,6 +43,11 @@ def check_vllm_config(vllm_config) -> None:
             getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
         ),
     )
+    architectures = getattr(model_config.hf_config, "architectures", None)
+    if serves_specstream(
+        architectures, getattr(spec, "method", None), getattr(spec, "model", None)
+    ):
+        check_options(vllm_config)
 
 
 def _checkpoint_dtype(engine_args) -> str | None:
