@@ -193,12 +193,38 @@ def draft_tree_of(options: SpecStreamOptions, num_streams: int):
     return template
 
 
+#: Every variable :func:`read_options` reads.
+ENV_OPTIONS = (
+    ENV_STREAM_DTYPE,
+    ENV_DRAFT_MIN_PROB,
+    ENV_TREE_TOP_K,
+    ENV_TREE_PRUNE,
+    ENV_SUFFIX_DRAFTS,
+)
+
+#: The last read of this process's environment: (engine config, the variables' values,
+#: options), so that the model and the proposer of one worker share one read.
+_last_read: tuple[object, tuple, SpecStreamOptions] | None = None
+
+
 def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> SpecStreamOptions:
     """The settings of the engine of ``vllm_config`` (None, or speculation by another
     method: the streams are off) and
-    ``environ`` (default: this process's environment); bad values raise ``ConfigError``
-    naming the variable or option."""
-    environ = os.environ if environ is None else environ
+    ``environ`` (default: this process's environment, read once per engine config while
+    its variables keep their values); bad values raise ``ConfigError`` naming the variable
+    or option."""
+    global _last_read
+    if environ is not None or vllm_config is None:
+        return _read_options(vllm_config, os.environ if environ is None else environ)
+    values = tuple(os.environ.get(name) for name in ENV_OPTIONS)
+    if _last_read is not None and _last_read[0] is vllm_config and _last_read[1] == values:
+        return _last_read[2]
+    options = _read_options(vllm_config, os.environ)
+    _last_read = (vllm_config, values, options)
+    return options
+
+
+def _read_options(vllm_config, environ: Mapping[str, str]) -> SpecStreamOptions:
     spec = getattr(vllm_config, "speculative_config", None)
     if not drafts_with_streams(spec):
         spec = None

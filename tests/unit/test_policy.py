@@ -244,6 +244,18 @@ def test_options_are_read_once_and_name_the_bad_setting():
             read_options(_vllm_config(), {name: bad})
 
 
+def test_one_engine_config_reads_the_environment_once(monkeypatch):
+    """The model and the proposer of one worker share one read of the process's variables;
+    another config, or a variable that changed, reads again."""
+    monkeypatch.setenv(ENV_DRAFT_MIN_PROB, "0.25")
+    config = _vllm_config(3)
+    first = read_options(config)
+    assert first.draft_min_prob == 0.25 and read_options(config) is first
+    assert read_options(_vllm_config(3)) is not first
+    monkeypatch.setenv(ENV_DRAFT_MIN_PROB, "0.5")
+    assert read_options(config).draft_min_prob == 0.5
+
+
 def test_other_speculative_methods_leave_the_streams_off():
     # vLLM's own methods (and other proposer classes) on a specstream checkpoint: the model
     # runs as in plain decoding, no stream pass, no error.

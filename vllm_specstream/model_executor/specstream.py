@@ -120,7 +120,7 @@ class SpecStreamMixin:
         self.specstream = StreamParams(
             self.spec_config, hf_config.hidden_size, self.own_streams, hf_config
         )
-        #: The engine's runtime settings, read once (the proposer reads them from here).
+        #: The engine's runtime settings: one read, shared with the proposer (read_options).
         self.options = read_options(vllm_config)
         self.num_speculative_tokens = self.options.num_speculative_tokens
         if self.num_speculative_tokens > 0:
