@@ -12,6 +12,7 @@ the one-off cache build, and the loss of every step side by side; --out writes J
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -81,7 +82,10 @@ def paired_run(args) -> dict:
         job.model.train()
         optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
         t0 = time.monotonic()
-        make_batch = batch_maker(job, targs, train_set, nullcontext)
+        # The run being projected decides whether the frozen prefix is cached (a run of a
+        # few steps would skip it: caching every example would cost more than its steps).
+        run = dataclasses.replace(targs, steps=max(args.project_steps, args.steps))
+        make_batch = batch_maker(job, run, train_set, nullcontext)
         paths[name] = {
             "targs": targs,
             "job": job,
