@@ -223,6 +223,22 @@ def test_task_examples_public_and_synthetic(tmp_path):
         task_examples("e2e", "train", 5)
 
 
+def test_dialogsum_split_keeps_a_repeated_dialogue_on_one_side(tmp_path):
+    """A dialogue that appears in several records (one summary each) is one group: its
+    summaries train together or are held out together, never both."""
+    records = [
+        {"dialogue": f"#Person1#: Line {i % 12}.\n#Person2#: Yes.", "summary": f"Summary {i}."}
+        for i in range(48)
+    ]
+    src = str(_jsonl(tmp_path / "d.jsonl", records))
+    train = task_examples("dialogsum", "train", data=src, val_fraction=0.25)
+    held = task_examples("dialogsum", "test", data=src, val_fraction=0.25)
+    prompts = [{e.messages[0]["content"] for e in side} for side in (train, held)]
+    assert prompts[0] and prompts[1] and not prompts[0] & prompts[1]
+    assert len(prompts[0]) + len(prompts[1]) == 12
+    assert len(train) == 4 * len(prompts[0])  # every summary of a training dialogue trains
+
+
 def test_data_split_command(tmp_path, capsys):
     from vllm_specstream.cli import main
 
