@@ -150,6 +150,20 @@ def test_speculation_is_refused_off_cpu(tmp_path):
     check_platform(CPU)
 
 
+def engine_config(ckpt: Path, **spec) -> SimpleNamespace:
+    """What the front-end hook reads of vLLM's engine config: ``ckpt`` speculating 2 drafts
+    with the specstream proposer (``spec``: more speculative-config fields)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=str(ckpt), hf_config=SimpleNamespace(**config)),
+        speculative_config=SimpleNamespace(
+            method="custom_class", model=PROPOSER, num_speculative_tokens=2, **spec
+        ),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        load_config=SimpleNamespace(load_format="auto"),
+    )
+
+
 def test_the_vllm_hook_reads_the_current_platform(tmp_path, monkeypatch):
     """The front-end hook passes vLLM's ``current_platform``: a CUDA platform (patched in)
     is refused before any engine starts."""
@@ -158,15 +172,7 @@ def test_the_vllm_hook_reads_the_current_platform(tmp_path, monkeypatch):
 
     from vllm_specstream.patches.engine_config_check import check_vllm_config
 
-    ckpt = make_checkpoint(tmp_path)
-    config = json.loads((ckpt / "config.json").read_text())
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(model=str(ckpt), hf_config=SimpleNamespace(**config)),
-        speculative_config=SimpleNamespace(
-            method="custom_class", model=PROPOSER, num_speculative_tokens=2
-        ),
-        load_config=SimpleNamespace(load_format="auto"),
-    )
+    vllm_config = engine_config(make_checkpoint(tmp_path))
     monkeypatch.setattr(vllm.platforms, "_current_platform", CUDA)
     with pytest.raises(ConfigError, match="platform cuda is not supported yet"):
         check_vllm_config(vllm_config)
@@ -190,18 +196,8 @@ def test_the_vllm_hook_reads_the_runtime_options(tmp_path, monkeypatch, env, sch
     pytest.importorskip("vllm")
     from vllm_specstream.patches.engine_config_check import check_vllm_config
 
-    ckpt = make_checkpoint(tmp_path)
-    config = json.loads((ckpt / "config.json").read_text())
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(model=str(ckpt), hf_config=SimpleNamespace(**config)),
-        speculative_config=SimpleNamespace(
-            method="custom_class",
-            model=PROPOSER,
-            num_speculative_tokens=2,
-            num_speculative_tokens_per_batch_size=schedule,
-        ),
-        scheduler_config=SimpleNamespace(max_num_seqs=8),
-        load_config=SimpleNamespace(load_format="auto"),
+    vllm_config = engine_config(
+        make_checkpoint(tmp_path), num_speculative_tokens_per_batch_size=schedule
     )
     for name, value in env.items():
         monkeypatch.setenv(name, value)
