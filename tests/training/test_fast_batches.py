@@ -52,11 +52,12 @@ def examples(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def loss_and_grads(model, batch):
+def loss_and_grads(model, batch, objective="specstream"):
+    """Loss, metrics and the gradient of every parameter the objective trains."""
     model.zero_grad()
-    loss, metrics = specstream_loss(model, batch)
+    loss, metrics = specstream_loss(model, batch, objective)
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), metrics, grads
 
 
@@ -68,10 +69,12 @@ def test_packed_and_cached_batches_equal_the_padded_batch(prune):
     assert start == 3
     hidden = prefix_hidden(model, batch, start, batch_size=3)
     want_loss, want_metrics, want_grads = loss_and_grads(model, collate(batch))
+    assert want_grads.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
     for cached in (None, hidden):
         packed = pack_batch(batch, 64, 3, cached, start)
         assert packed.input_ids.shape[0] < len(batch)  # examples really share rows
         loss, metrics, grads = loss_and_grads(model, packed.as_dict())
+        assert grads.keys() == want_grads.keys()
         torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
         assert metrics.keys() == want_metrics.keys()
         for k in metrics:
@@ -95,14 +98,11 @@ def projected_rows(model, batch, objective):
     hooks = [layer.q_proj.register_forward_pre_hook(count("q"))]
     hooks.append(layer.o_proj.register_forward_pre_hook(count("o")))
     try:
-        model.zero_grad()
-        loss, _ = specstream_loss(model, batch, objective)
-        loss.backward()
+        loss, _, grads = loss_and_grads(model, batch, objective)
     finally:
         for h in hooks:
             h.remove()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, seen
+    return loss, grads, seen
 
 
 @pytest.mark.parametrize("objective", ["specstream", "ntp", "streams-only"])

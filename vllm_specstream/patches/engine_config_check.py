@@ -26,7 +26,7 @@ def check_vllm_config(vllm_config) -> None:
     place that reads ``VllmConfig`` fields for it)."""
     from vllm.platforms import current_platform
 
-    from vllm_specstream.preflight import check_options, check_setup, serves_specstream
+    from vllm_specstream.preflight import check_options, check_setup
 
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
@@ -43,11 +43,19 @@ def check_vllm_config(vllm_config) -> None:
             getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
         ),
     )
-    architectures = getattr(model_config.hf_config, "architectures", None)
-    if serves_specstream(
-        architectures, getattr(spec, "method", None), getattr(spec, "model", None)
-    ):
+    if _serves_specstream(vllm_config):
         check_options(vllm_config)
+
+
+def _serves_specstream(vllm_config) -> bool:
+    """:func:`~vllm_specstream.preflight.serves_specstream` of vLLM's engine config."""
+    from vllm_specstream.preflight import serves_specstream
+
+    spec = vllm_config.speculative_config
+    architectures = getattr(vllm_config.model_config.hf_config, "architectures", None)
+    return serves_specstream(
+        architectures, getattr(spec, "method", None), getattr(spec, "model", None)
+    )
 
 
 def _checkpoint_dtype(engine_args) -> str | None:
@@ -77,7 +85,7 @@ def _advise_dtype(engine_args, vllm_config=None) -> None:
     from vllm.platforms import current_platform
 
     from vllm_specstream.logger import init_logger
-    from vllm_specstream.preflight import dtype_advice, serves_specstream
+    from vllm_specstream.preflight import dtype_advice
 
     if not current_platform.is_cpu():
         return
@@ -87,14 +95,10 @@ def _advise_dtype(engine_args, vllm_config=None) -> None:
             return
         dtype, message = dtype_advice("bfloat16", requested)
     else:
-        spec = vllm_config.speculative_config
-        model_config = vllm_config.model_config
-        architectures = getattr(model_config.hf_config, "architectures", None)
-        if requested == "auto" or not serves_specstream(
-            architectures, getattr(spec, "method", None), getattr(spec, "model", None)
-        ):
+        if requested == "auto" or not _serves_specstream(vllm_config):
             return
-        dtype, message = dtype_advice(str(model_config.dtype).removeprefix("torch."), requested)
+        resolved = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        dtype, message = dtype_advice(resolved, requested)
     if message:
         logger = init_logger(__name__)
         (logger.info if dtype else logger.warning)("vllm-specstream: %s", message)

@@ -42,8 +42,8 @@ def _ce_and_top1(head, hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]
 
 def main_rows(hidden: Tensor, input_ids: Tensor, labels_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Main-stream rows whose next token is a completion token, and those tokens."""
-    next_valid = labels_mask[:, 1:]
-    return hidden[:, :-1][next_valid], input_ids[:, 1:][next_valid]
+    read = main_rows_read(labels_mask, True)
+    return hidden[read], input_ids[:, 1:][read[:, :-1]]
 
 
 def main_rows_read(labels_mask: Tensor, main_loss: bool) -> Tensor:
