@@ -52,7 +52,8 @@ def base_architecture(hf_config, where: str = "config.json") -> str:
     if not base or base[0] not in BASE_CLASSES:
         raise ConfigError(
             f"{where}: specstream.base_architectures is {base!r}; vllm-specstream serves "
-            f"{list(BASE_CLASSES)}"
+            f"checkpoints trained on {list(BASE_CLASSES)} bases (the stream layers have no "
+            "per-head query/key norm as in Qwen3 or OLMo2): train the adapter on one of those"
         )
     return base[0]
 

@@ -331,6 +331,15 @@ def _format_99(ckpt: Path, tmp: Path) -> Path:
     return broken
 
 
+def _qwen3_base(ckpt: Path, tmp: Path) -> Path:
+    # A base family the stream layers do not implement (per-head q/k norm).
+    broken = _copy(ckpt, tmp / "qwen3-base")
+    config = json.loads((broken / "config.json").read_text())
+    config["specstream"]["base_architectures"] = ["Qwen3ForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(config))
+    return broken
+
+
 def _half_hidden(ckpt: Path, tmp: Path) -> Path:
     import torch
     from safetensors.torch import load_file, save_file
@@ -365,6 +374,11 @@ BROKEN_SETUPS = {
         _format_99,
         2,
         "config.json (specstream): format_version is 99, newer than this vllm-specstream",
+    ),
+    "unsupported-base-architecture": (
+        _qwen3_base,
+        2,
+        "specstream.base_architectures is ['Qwen3ForCausalLM']; vllm-specstream serves",
     ),
     "wrong-hidden-size": (
         _half_hidden,
