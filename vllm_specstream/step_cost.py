@@ -178,6 +178,21 @@ TABLES: dict[tuple[str, str], StepCostTable] = {
 }
 
 
+#: Draft lengths the start-up placement choice weighs, at batch 1 (where drafts pay most).
+PLACEMENT_CHOICE_KS = (1, 2, 3, 4)
+
+
+def cheaper_placement(cls: str | None = None) -> str:
+    """The placement an eager engine takes on CPU class ``cls`` (default: this CPU's): the
+    one whose batch-1 step costs less summed over :data:`PLACEMENT_CHOICE_KS` in the class's
+    tables. ``window`` on every measured class (it also prices chains with their streams at
+    the anchors, so the policy can take the cheaper of the two step by step)."""
+    return min(
+        ("window", "accepted"),
+        key=lambda p: sum(table_for(p, cls).ratio(1, k) for k in PLACEMENT_CHOICE_KS),
+    )
+
+
 def table_for(placement: str, cls: str | None = None) -> StepCostTable:
     """The table for ``placement`` on CPU class ``cls`` (default: this CPU's); every class
     of :data:`vllm_specstream.machine.CPU_CLASSES` has one per placement."""

@@ -95,6 +95,19 @@ def test_onednn_isa_limit_caps_the_cpu_class(monkeypatch):
     assert dtype_advice("bfloat16", "auto")[0] == "float32"
 
 
+def test_the_default_placement_is_the_cheaper_at_batch_1_per_cpu_class(monkeypatch):
+    from vllm_specstream import step_cost
+
+    # window on every measured class (1-4 drafts summed: AVX2 6.7 against 7.0 plain steps)
+    for cls in ("avx2", "avx512", "avx512_bf16"):
+        assert step_cost.cheaper_placement(cls) == "window", cls
+    # A class whose accepted steps cost less gets accepted.
+    cheap = StepCostTable("avx2", (1,), {1: (1.1,), 4: (1.3,)}, "x")
+    monkeypatch.setitem(step_cost.TABLES, ("avx2", "accepted"), cheap)
+    assert step_cost.cheaper_placement("avx2") == "accepted"
+    assert step_cost.cheaper_placement("avx512") == "window"
+
+
 def test_measured_tables_never_price_more_drafts_cheaper():
     for (cls, placement), table in TABLES.items():
         assert table.cpu_class == cls

@@ -39,6 +39,7 @@ from vllm_specstream.cpu_env import single_thread_note
 from vllm_specstream.draft_trees import TreeTemplate, prune_nodes
 from vllm_specstream.draft_vocab import mask_token_ids
 from vllm_specstream.logger import init_logger
+from vllm_specstream.machine import cpu_class
 from vllm_specstream.merged_checkpoint import (
     adapter_streams_only,
     base_architecture,
@@ -94,6 +95,7 @@ from vllm_specstream.preflight import (
     STREAM_LORA_WITH_LORA,
     check_platform,
 )
+from vllm_specstream.step_cost import cheaper_placement
 
 logger = init_logger(__name__)
 
@@ -249,10 +251,22 @@ class SpecStreamMixin:
         return threshold
 
     def default_placement(self) -> str:
-        """Window (the paper's one-pass design: cheapest at batch 1) where the stream rows
-        can ride along the main forward, i.e. the decoder runs eagerly; else accepted (the
-        window placement would need a second pass over more stream rows)."""
-        return "window" if self._eager else "accepted"
+        """Where the decoder runs eagerly (the stream rows can ride along the main forward),
+        the placement cheaper at batch 1 on this CPU class (:func:`cheaper_placement`:
+        ``window``, the paper's one-pass design, on every measured class); else ``accepted``
+        (a compiled decoder would need a second pass over more stream rows)."""
+        if not self._eager:
+            return "accepted"
+        if not current_platform.is_cpu():
+            return "window"
+        cls = cpu_class()
+        placement = cheaper_placement(cls)
+        logger.info(
+            "specstream stream placement: %s (the cheaper at batch 1 on CPU class %s)",
+            placement,
+            cls,
+        )
+        return placement
 
     def set_placement(self, placement: str) -> None:
         if placement not in PLACEMENTS:
