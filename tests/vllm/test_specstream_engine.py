@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,8 @@ def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=No
     result["anchored"] = "runs the streams at the requests' anchors" in log
     result["suffix_drafted"] = "specstream drafts from the suffix trees" in log
     result["suffix_from_checkpoint"] = "(the checkpoint's specstream.suffix_drafts;" in log
+    chosen = re.search(r"specstream stream placement: (\w+) \(", log)
+    result["default_placement"] = chosen and chosen.group(1)
     return result
 
 
@@ -148,7 +151,8 @@ def runs(request, tiny_merged, tmp_path_factory):
             3,
             engine,
             requests,
-            p,
+            # the chunked setting's window run takes the default placement (chosen for the CPU)
+            None if (p, request.param) == ("window", "chunked") else p,
             env={ENV_STREAM_DTYPE: STREAM_DTYPES[p]} if request.param == "default" else None,
             **layout,
         )
@@ -192,6 +196,17 @@ def test_drafts_are_proposed_and_counted(runs, placement):
         assert run["suffix_drafted"], "no step drafted from the suffix trees"
         assert run["suffix_from_checkpoint"], "suffix drafts not set by the checkpoint's default"
     assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics["vllm:spec_decode_num_drafts"]
+
+
+def test_the_default_placement_is_chosen_for_the_cpu(runs, request):
+    from vllm_specstream.step_cost import cheaper_placement
+
+    chosen = {p: run["default_placement"] for p, run in runs[2].items() if p != "tree"}
+    if "chunked" in request.node.callspec.id:
+        assert chosen["window"] == cheaper_placement() == "window", chosen
+        assert chosen.get("suffix") == "window", chosen
+    else:  # placements named: nothing chosen
+        assert set(chosen.values()) == {None}, chosen
 
 
 def test_small_kv_cache_preempts(runs, request):
