@@ -106,13 +106,19 @@ TREE_ENV = {ENV_TREE_TOP_K: "2", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 #: requests preempted and recomputed mid-generation.
 
 
-def suffix_checkpoint(ckpt: Path, out: Path, suffix_drafts: str) -> Path:
-    """A copy of merged checkpoint ``ckpt`` whose config.json sets ``suffix_drafts``."""
+def with_section(ckpt: Path, out: Path, **fields) -> Path:
+    """A copy at ``out`` of merged checkpoint ``ckpt`` whose config.json ``specstream``
+    section has ``fields``."""
     shutil.copytree(ckpt, out)
     config = json.loads((out / "config.json").read_text())
-    config["specstream"]["suffix_drafts"] = suffix_drafts
+    config["specstream"].update(fields)
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def suffix_checkpoint(ckpt: Path, out: Path, suffix_drafts: str) -> Path:
+    """A copy of merged checkpoint ``ckpt`` whose config.json sets ``suffix_drafts``."""
+    return with_section(ckpt, out, suffix_drafts=suffix_drafts)
 
 
 PLACEMENT_NAMES = (*PLACEMENTS, "tree", "suffix")
@@ -339,20 +345,12 @@ def _without_streams(ckpt: Path, tmp: Path) -> Path:
 
 
 def _format_99(ckpt: Path, tmp: Path) -> Path:
-    broken = _copy(ckpt, tmp / "format-99")
-    config = json.loads((broken / "config.json").read_text())
-    config["specstream"]["format_version"] = 99
-    (broken / "config.json").write_text(json.dumps(config))
-    return broken
+    return with_section(ckpt, tmp / "format-99", format_version=99)
 
 
 def _qwen3_base(ckpt: Path, tmp: Path) -> Path:
     # A base family the stream layers do not implement (per-head q/k norm).
-    broken = _copy(ckpt, tmp / "qwen3-base")
-    config = json.loads((broken / "config.json").read_text())
-    config["specstream"]["base_architectures"] = ["Qwen3ForCausalLM"]
-    (broken / "config.json").write_text(json.dumps(config))
-    return broken
+    return with_section(ckpt, tmp / "qwen3-base", base_architectures=["Qwen3ForCausalLM"])
 
 
 def _half_hidden(ckpt: Path, tmp: Path) -> Path:

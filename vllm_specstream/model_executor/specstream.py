@@ -257,9 +257,7 @@ class SpecStreamMixin:
         (a compiled decoder would need a second pass over more stream rows)."""
         if not self._eager:
             return "accepted"
-        if not current_platform.is_cpu():
-            return "window"
-        cls = cpu_class()
+        cls = cpu_class()  # speculation runs on the CPU backend only (check_platform)
         placement = cheaper_placement(cls)
         logger.info(
             "specstream stream placement: %s (the cheaper at batch 1 on CPU class %s)",
