@@ -492,6 +492,9 @@ def run_method(method: str, cfg: BenchConfig, on_progress=lambda: None) -> dict:
                     on_progress()
                 elif line.startswith("RESULT "):
                     result = json.loads(line[7:])
+                else:  # vLLM's own log lines (its logger writes to stdout): kept
+                    log.write(line)
+                    log.flush()
             code = proc.wait()
         except BaseException:
             stop_process_group(proc)

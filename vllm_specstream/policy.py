@@ -47,6 +47,7 @@ request's draft before the first stream whose cumulative top-1 probability falls
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -530,9 +531,12 @@ class DraftPolicy:
     ``k <= k_max`` or one of ``trees``).
 
     Where the acceptance seen so far says drafting does not pay but the prior says it
-    would, one step in ``probe_every`` still drafts (a probe) after halving the old
-    evidence, so that traffic which has become easier to draft for is noticed; a probe
-    costs one step's extra cost (at most a few tenths of a plain step) per ``probe_every``.
+    would, an idle step now and then still drafts (a probe) after halving the old evidence,
+    so that traffic which has become easier to draft for is noticed. Probes are spaced by
+    their price (:meth:`probe_interval`): a probe's extra over a plain step is at most
+    ``explore_budget`` of the idle steps it follows, so that an engine whose drafts are not
+    accepted stays within noise of plain decoding where a drafting step is dear (batch 4 on
+    AVX2: 2.3 plain steps).
     """
 
     k_max: int
@@ -546,6 +550,9 @@ class DraftPolicy:
     and a request's prefill runs the streams at its last token. On Spider at batch 1 (AVX2)
     a 3% margin ran at 0.85x plain, this one at 0.95x (``benchmarks/README.md``)."""
     probe_every: int = 64
+    """Idle steps between probes at the least."""
+    explore_budget: float = 0.01
+    """Share of the idle steps' time that probes may cost (their extra over plain steps)."""
     template: TreeTemplate | None = None
     """The engine's draft tree (None: chains only); each of ``trees`` is a prefix of it."""
     trees: tuple[TreeChoice, ...] = ()
@@ -723,11 +730,17 @@ class DraftPolicy:
         if prior_k == 0:
             return 0  # no acceptance would pay at this batch size: nothing to learn
         self.idle_steps += 1
-        if self.idle_steps < self.probe_every:
+        if self.idle_steps < self.probe_interval(batch_size, prior_k):
             return 0
         self.idle_steps = 0
         self.stats.forget(0.5)
         return prior_k
+
+    def probe_interval(self, batch_size: int, probe: Choice) -> int:
+        """Idle steps before a probe of ``probe``: ``probe_every``, or more where its step's
+        extra over a plain one would cost more than ``explore_budget`` of them."""
+        extra = self.step_cost(batch_size, probe) - 1.0
+        return max(self.probe_every, math.ceil(extra / self.explore_budget))
 
     def _choice_to_time(self, batch_size: int, best: Choice) -> Choice | None:
         """The untimed choice to probe at this batch size (None: none is worth it): of the

@@ -206,6 +206,30 @@ def test_policy_drafts_what_pays_at_each_batch_size():
     assert stats.proposed[0] == 25 and stats.tried[0] == 25  # halved at each probe
 
 
+def test_probes_cost_at_most_their_budget_of_the_idle_steps():
+    # A checkpoint whose drafts are not accepted, where a drafting step is dear (2.3 plain
+    # steps: batch 4 on AVX2): probes are spaced so that their extra over plain steps stays
+    # within explore_budget of the steps between them; cheap probes keep probe_every.
+    dear = StepCostTable("test", (1,), {k: (2.3,) for k in range(1, 5)}, "test")
+    stats = AcceptanceStats(4)
+    stats.tried[:] = [40, 2, 0, 0]
+    stats.accepted[:] = [2, 0, 0, 0]
+    policy = DraftPolicy(4, dear, stats, margin=0.0)
+    assert policy.best_length(1) == 0
+    probe = policy.best_length(1, stats.prior_rates(), steady=True)
+    assert probe == 4 and policy.probe_interval(1, probe) == 130  # 1.3 / 0.01
+    got = []
+    for _ in range(10 * 130):
+        got.append(policy.draft_length(1))
+        stats.record_proposed([[7] * rows_of(got[-1])])
+        stats.record_verified([[7]])  # every draft rejected
+    assert [i for i, k in enumerate(got) if k] == [130 * n - 1 for n in range(1, 11)]
+    extra = sum(dear.ratio(1, k) - 1.0 for k in got if k)
+    assert extra <= policy.explore_budget * len(got)
+    cheap = DraftPolicy(4, TABLE, AcceptanceStats(4))
+    assert cheap.probe_interval(1, 4) == cheap.probe_every
+
+
 def test_lookup_length_carries_the_last_entry():
     assert [lookup_length([0, 4, 4, 2], b) for b in (1, 3, 99)] == [4, 2, 2]
 
@@ -601,13 +625,15 @@ def test_a_window_entry_is_paid_once_per_run_of_drafting_steps():
 def test_an_entry_step_that_does_not_pay_keeps_the_engine_idle_but_probing():
     # Anchored passes as dear as on a checkpoint of 15 MSA layers at batch 1 (2.6 plain
     # steps): after an idle forward nothing pays this step, though window drafts would once
-    # under way; one idle step in probe_every still drafts (priced as under way, so it is
-    # not ruled out by its entry).
+    # under way; an idle step now and then still drafts (chosen as under way, so it is
+    # not ruled out by its entry), spaced by what that probe step costs.
     policy = _dialogsum_window_engine(anchored_s=0.147)
     policy.window_idle = True
     assert policy.best_length(1) == 0 and policy.best_length(1, steady=True) == 3
-    choices = [policy.draft_length(1) for _ in range(4)]
-    assert choices[:3] == [0, 0, 0] and choices[3] != 0
+    every = policy.probe_interval(1, 3)
+    assert every > policy.probe_every  # an entry step: dearer than probe_every allows
+    choices = [policy.draft_length(1) for _ in range(every)]
+    assert set(choices[:-1]) == {0} and choices[-1] == 3
 
 
 def test_tensor_parallel_ranks_choose_by_the_tables_alone():
