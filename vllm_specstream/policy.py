@@ -725,11 +725,14 @@ class DraftPolicy:
             return k
         self.probing = None
         self._end_run()
+        self.idle_steps += 1
+        if self.idle_steps < self.probe_every:
+            return 0  # no probe this soon (the prior's choice is priced only from here on)
         # Whether drafting could pay once under way (an entry step is paid once per run).
         prior_k = self.best_length(batch_size, self.stats.prior_rates(), steady=True)
         if prior_k == 0:
-            return 0  # no acceptance would pay at this batch size: nothing to learn
-        self.idle_steps += 1
+            self.idle_steps = 0  # no acceptance would pay at this batch size: nothing to learn
+            return 0
         if self.idle_steps < self.probe_interval(batch_size, prior_k):
             return 0
         self.idle_steps = 0
