@@ -33,6 +33,15 @@ def task_prompts(ckpt: str, task: str, n: int) -> list[str]:
     return [prompt_text(tok, to_example(task, r).messages) for r in build_task(task, "test", n=n)]
 
 
+def rotated(order: list[str], turn: int) -> list[str]:
+    """The engines of ``order`` in the order of interleaved turn ``turn``: rotated by
+    ``turn``, reversed every other full cycle, so that over two cycles each engine runs in
+    each position, before and after each other engine, equally often."""
+    r = turn % len(order)
+    out = order[r:] + order[:r]
+    return out[::-1] if (turn // len(order)) % 2 else out
+
+
 def make_llm(ckpt: str, dtype: str, k: int, placement: str | None = None, **llm_kwargs):
     """A CPU engine for ``ckpt``: plain decoding with ``k = 0``, else specstream with k drafts."""
     from vllm import LLM

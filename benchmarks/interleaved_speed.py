@@ -32,7 +32,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-from bs1_child import keep_proposers  # noqa: E402
+from bs1_child import keep_proposers, rotated  # noqa: E402
 from profile_step import preload_iomp_and_reexec, task_prompts_cycled  # noqa: E402
 
 from vllm_specstream.machine import cpu_class, describe_machine  # noqa: E402
@@ -72,13 +72,6 @@ class PhaseClock:
         self.close()
         out, self.seconds = self.seconds, {"prefill": 0.0, "decode": 0.0}
         return out
-
-
-def rotated(order: list[str], turn: int) -> list[str]:
-    """``order`` rotated by ``turn``, reversed every other full cycle."""
-    r = turn % len(order)
-    out = order[r:] + order[:r]
-    return out[::-1] if (turn // len(order)) % 2 else out
 
 
 def main() -> None:

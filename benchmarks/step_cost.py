@@ -43,7 +43,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model
 
-from bs1_child import keep_proposers  # noqa: E402
+from bs1_child import keep_proposers, rotated  # noqa: E402
 from profile_step import preload_iomp_and_reexec, task_prompts_cycled  # noqa: E402
 
 from vllm_specstream.machine import cpu_class, describe_machine  # noqa: E402
@@ -198,10 +198,7 @@ def main() -> None:
         # The first group of each batch size warms every engine up (not kept).
         for i in range(1 + args.n):
             group = prompts[i * b : (i + 1) * b]
-            r = turns % len(order)
-            turn = order[r:] + order[:r]
-            if (turns // len(order)) % 2:
-                turn.reverse()
+            turn = rotated(order, turns)
             turns += i > 0
             for name in turn:
                 clock.begin(name if i else None, i, b, drafts[name])
