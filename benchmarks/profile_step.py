@@ -29,6 +29,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 TIMES: dict[str, list[float]] = {}
+#: Label of a step's wall time from its start to the next step's start.
+PERIOD = "step period (start to next start)"
 #: Time of each range in the current step (reset when a step starts).
 STEP: dict[str, float] = {}
 
@@ -170,7 +172,15 @@ def main() -> None:
     from vllm.v1.worker import gpu_model_runner as gmr
 
     runner_cls = gmr.GPUModelRunner
-    for name in ("execute_model", "sample_tokens", "_prepare_inputs", "propose_draft_token_ids"):
+    for name in (
+        "execute_model",
+        "sample_tokens",
+        "_prepare_inputs",
+        "propose_draft_token_ids",
+        "_sample",
+        "_bookkeeping_sync",
+        "_update_states_after_model_execute",
+    ):
         if hasattr(runner_cls, name):
             wrap(runner_cls, name, f"runner.{name}")
     if args.lora:
@@ -223,10 +233,14 @@ def main() -> None:
     orig = runner_cls.execute_model
 
     def counted(self, scheduler_output, *a, **kw):
-        # A step runs from here to the next step's start (it ends in sample_tokens).
+        # A step runs from here to the next step's start (it ends in sample_tokens); the
+        # time between starts adds what the engine core and scheduler do between steps.
+        now = time.perf_counter()
         if current:
+            STEP[PERIOD] = now - current["start"]
             steps.append((current["reqs"], current["decode"], current["drafts"], dict(STEP)))
         STEP.clear()
+        current["start"] = now
         per_req = list(scheduler_output.num_scheduled_tokens.values())
         current.update(
             reqs=len(per_req),
@@ -254,7 +268,9 @@ def main() -> None:
                 tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             wall = time.perf_counter() - start
             if current:
+                # The group's last step has no next start: no period.
                 steps.append((current["reqs"], current["decode"], current["drafts"], dict(STEP)))
+                current.clear()
             report["batch_sizes"][b] = summarize(steps, b, tokens, wall, args)
     if args.json:
         with open(args.json, "w") as f:

@@ -64,6 +64,17 @@ def _hand_runner_to_proposer() -> None:
     apply_patch(PROPOSER_RUNNER, ensure_supported_vllm())
 
 
+def _sample_plainly_without_drafts() -> None:
+    """Most steps of an adaptive engine draft nothing: vLLM's plain sampler takes those
+    (:mod:`vllm_specstream.patches.plain_sampling`); applied here, in the worker that runs
+    this proposer, so vLLM's own speculative methods keep vLLM's sampling."""
+    from vllm_specstream.patches import apply_patch
+    from vllm_specstream.patches.plain_sampling import PLAIN_SAMPLING
+    from vllm_specstream.vllm_version import ensure_supported_vllm
+
+    apply_patch(PLAIN_SAMPLING, ensure_supported_vllm())
+
+
 def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spec: int) -> int:
     """Flat index, in the last forward, of a request's last accepted token.
 
@@ -154,6 +165,7 @@ class SpecStreamProposer:
 
     def __init__(self, vllm_config):
         options = read_options(vllm_config)
+        _sample_plainly_without_drafts()
         self.k = options.num_speculative_tokens
         parallel = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)

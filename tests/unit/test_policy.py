@@ -231,6 +231,66 @@ def test_probes_cost_at_most_their_budget_of_the_idle_steps():
     assert cheap.probe_interval(1, 4) == cheap.probe_every
 
 
+class _FlippableCost:
+    """Every drafting step costs ``ratio`` plain steps (changed by the test)."""
+
+    def __init__(self, ratio: float):
+        self.value = ratio
+
+    def ratio(self, batch_size: int, k) -> float:
+        return 1.0 if k == 0 else self.value
+
+
+def _idle_policy(cost, **kw) -> DraftPolicy:
+    """A policy whose evidence says drafting does not pay at 3 plain steps a drafting step
+    (the prior says it would at 1.05), with its pricing counted in ``policy.priced``."""
+    stats = AcceptanceStats(4)
+    stats.tried[:] = [40, 2, 0, 0]
+    stats.accepted[:] = [20, 1, 0, 0]
+    policy = DraftPolicy(4, cost, stats, **kw)
+    policy.priced = []
+    best = policy.best_length
+
+    def counted(batch_size, rates=None, steady=False):
+        policy.priced.append((batch_size, rates is None))
+        return best(batch_size, rates, steady)
+
+    policy.best_length = counted
+    return policy
+
+
+def test_idle_steps_reuse_their_pricing_while_what_it_read_holds():
+    policy = _idle_policy(_FlippableCost(3.0))
+    got = [policy.draft_length(1) for _ in range(40)]
+    assert not any(got)
+    # priced at steps 0, 17 and 34 (each pricing held for reprice_every idle steps)
+    assert policy.priced == [(1, True)] * 3
+    policy.draft_length(2)  # another batch size: priced at once
+    policy.draft_length(2)
+    policy.stats.forget(0.5)  # new evidence: priced at once
+    policy.draft_length(2)
+    assert policy.priced[3:] == [(2, True), (2, True)]
+    # The prior's choice, priced from probe_every idle steps on, is held alike.
+    policy = _idle_policy(_FlippableCost(3.0), probe_every=4)
+    got = [policy.draft_length(1) for _ in range(17)]
+    assert policy.priced == [(1, True), (1, False)]  # the prior at the 4th step, once
+    assert not any(got)  # a probe at 3 plain steps waits 200 idle steps (1% budget)
+
+
+def test_an_idle_engine_drafts_once_its_pricing_is_renewed():
+    # Drafting starts paying (steps got cheaper) at the 6th idle step: an engine reusing
+    # its pricing sees it when that pricing is renewed, one that prices every step at once.
+    for reprice_every, first in ((16, 17), (0, 5)):
+        cost = _FlippableCost(3.0)
+        policy = _idle_policy(cost, reprice_every=reprice_every)
+        got = []
+        for step in range(30):
+            if step == 5:
+                cost.value = 1.05
+            got.append(policy.draft_length(1))
+        assert got.index(next(k for k in got if k)) == first, reprice_every
+
+
 def test_lookup_length_carries_the_last_entry():
     assert [lookup_length([0, 4, 4, 2], b) for b in (1, 3, 99)] == [4, 2, 2]
 
