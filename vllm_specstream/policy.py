@@ -95,6 +95,9 @@ class AcceptanceStats:
     """Drafts at each position handed out last step, awaiting verification."""
     version: int = field(default=0, init=False)
     """Bumped whenever the evidence changes (a pricing made under it is stale)."""
+    kept_per_row: float = field(default=0.0, init=False)
+    """Drafts kept per drafting request at the last verification (0 after a step that
+    handed out no drafts)."""
 
     def __post_init__(self) -> None:
         self.proposed = np.zeros(self.num_positions)
@@ -109,15 +112,21 @@ class AcceptanceStats:
         return hist[::-1].cumsum()[::-1][1:].astype(float)
 
     def record_proposed(self, drafts: Sequence[Sequence[int]]) -> None:
+        if not any(drafts):  # most steps of an idle engine: no numpy
+            if self.pending[0]:
+                self.pending = np.zeros(self.num_positions)
+            return
         self.pending = self._at_least([len(d) for d in drafts])
 
     def record_verified(self, sampled_token_ids: Sequence[Sequence[int]]) -> None:
-        if not self.pending.any():
+        if not self.pending[0]:  # counts are non-increasing in the position: none pending
+            self.kept_per_row = 0.0
             return
         self.forget(self.decay)
         kept = np.minimum(
             self._at_least([max(len(s) - 1, 0) for s in sampled_token_ids]), self.pending
         )
+        self.kept_per_row = float(kept.sum() / self.pending[0])
         self.proposed += self.pending
         self.tried += np.minimum(self.pending, np.concatenate([[np.inf], kept[:-1]]))
         self.accepted += kept
@@ -479,47 +488,50 @@ class StepTimer:
     last_time: float | None = field(default=None, init=False)
     last_k: Choice | None = field(default=None, init=False)
     """Drafts of the step under way (None: not one clean choice)."""
-    last_tokens: np.ndarray | None = field(default=None, init=False)
-    last_ids: np.ndarray | None = field(default=None, init=False)
+    last_tokens: list[int] | None = field(default=None, init=False)
+    last_ids: list[int] | None = field(default=None, init=False)
 
+    # Lists and few numpy calls: this runs at every step, right after a forward has
+    # evicted Python's and numpy's code from the caches (a numpy call then costs several
+    # microseconds: 100 us for this method at batch 4 on AVX-512 with arrays).
     def record(self, cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu=None) -> None:
         """Called at the start of each proposer call (vLLM's ``propose`` arguments)."""
         now = self.clock()
         n = len(sampled_token_ids)
-        tokens = np.asarray(num_tokens_no_spec[:n], dtype=np.int64).copy()
-        if isinstance(cost, MeasuredCost) and self._same_batch(tokens, token_ids_cpu):
+        tokens = np.asarray(num_tokens_no_spec[:n]).tolist()
+        same = self._grew_alike(tokens)
+        if token_ids_cpu is None:
+            ids = None
+        elif same:
+            # each row's last token then, read again now, and its last token now: one gather
+            both = _tokens_before(token_ids_cpu, [*self.last_tokens, *tokens], n)
+            same, ids = both[:n] == self.last_ids, both[n:]
+        else:
+            ids = _tokens_before(token_ids_cpu, tokens, n)
+        if same and isinstance(cost, MeasuredCost):
             cost.record(n, self.last_k, now - self.last_time)
-        self.last_time, self.last_tokens = now, tokens
-        self.last_ids = self._last_ids(token_ids_cpu, tokens, len(tokens))
+        self.last_time, self.last_tokens, self.last_ids = now, tokens, ids
 
-    def _same_batch(self, tokens: np.ndarray, token_ids_cpu) -> bool:
-        """Whether the step since the last call was a decode step of the same batch."""
-        n, last = len(tokens), self.last_tokens
-        if (
-            self.last_time is None
-            or self.last_k is None
-            or n == 0
-            or last is None
-            or len(last) != n
-        ):
+    def _grew_alike(self, tokens: list[int]) -> bool:
+        """Whether each row grew by 1 to ``k + 1`` tokens since the last call, ``k`` the
+        drafts it handed out (a decode step of the same batch if the rows' earlier tokens
+        are also the same)."""
+        last = self.last_tokens
+        if self.last_time is None or self.last_k is None or not tokens or last is None:
             return False
-        grew = tokens - last
-        if not np.all((grew >= 1) & (grew <= rows_of(self.last_k) + 1)):
-            return False
-        ids = self._last_ids(token_ids_cpu, last, n)
-        return ids is None or np.array_equal(ids, self.last_ids)
-
-    @staticmethod
-    def _last_ids(token_ids_cpu, tokens: np.ndarray | None, n: int) -> np.ndarray | None:
-        """Each row's token at position ``tokens - 1``: a request's last token then."""
-        if token_ids_cpu is None or tokens is None or len(tokens) != n:
-            return None
-        return np.asarray(token_ids_cpu[np.arange(n), np.maximum(tokens - 1, 0)]).copy()
+        most = rows_of(self.last_k) + 1
+        return len(last) == len(tokens) and all(1 <= t - s <= most for t, s in zip(tokens, last))
 
     def proposed(self, drafted: Choice, streams: Choice) -> None:
         """The call handed out drafts ``drafted`` (0: none) and asked for the streams of
         ``streams`` in the next forward: a clean step when they agree."""
         self.last_k = drafted if drafted == streams else None
+
+
+def _tokens_before(token_ids_cpu, positions: list[int], n: int) -> list[int]:
+    """The token before position ``positions[i]`` of batch row ``i mod n``, for each ``i``."""
+    rows = [i % n for i in range(len(positions))]
+    return np.asarray(token_ids_cpu[rows, [max(p - 1, 0) for p in positions]]).tolist()
 
 
 class CostModel(Protocol):
@@ -536,9 +548,12 @@ class DraftPolicy:
     Where the acceptance seen so far says drafting does not pay but the prior says it
     would, an idle step now and then still drafts (a probe) after halving the old evidence,
     so that traffic which has become easier to draft for is noticed. Probes are spaced by
-    their price (:meth:`probe_interval`): a probe's extra over a plain step is at most
-    ``explore_budget`` of the idle steps it follows, also where a drafting step is dear
-    (batch 4 on AVX2: 2.3 plain steps, one probe in 130 idle steps).
+    their price (:meth:`probe_interval`): what a probe costs, its step's extra over a plain
+    step or the loss of the run of drafting steps the last one started, is at most
+    ``explore_budget`` of the idle steps it follows, where a drafting step is dear (batch 4
+    on AVX2: 2.3 plain steps, one probe in 130 idle steps) and where it is cheap enough that
+    the halved evidence keeps drafting after the probe (batch 1 on AVX-512: runs of ~11
+    steps at ~1.07 plain steps, one in ~100 idle steps).
     """
 
     k_max: int
@@ -573,9 +588,13 @@ class DraftPolicy:
     """An untimed chain length is probed only if its estimated speedup is at least this
     share of the best choice's; so is an untimed tree once some tree is timed at this batch
     size (its overhead known)."""
-    calibrate_every: int = 16
+    calibrate_every: int = 4
     """While the batch's bucket has drafting step times but too few plain ones to compare
-    (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing."""
+    (:meth:`MeasuredCost.needs_plain_steps`), one drafting step in this many drafts nothing.
+    Until then the table prices the steps, and a checkpoint's steps can cost far more than
+    it says (the streams-only E2E checkpoint at batch 1 on AVX-512: 1.8 plain steps where
+    the table says 1.07): one in 16 kept such an engine drafting rejected drafts for its
+    first ~96 steps, one in 4 for ~24."""
     window_idle: bool = False
     """Whether the last forward of a window engine ran no window streams (the proposer sets
     it each step): a window chain chosen now costs a :class:`WindowEntry` step."""
@@ -604,6 +623,17 @@ class DraftPolicy:
     """The probe under way and how many more steps it lasts."""
     decisions: dict[Choice, int] = field(default_factory=dict, init=False)
     """How many steps got each choice (for :meth:`summary`)."""
+    probe_loss: dict[int, float] = field(default_factory=dict, init=False)
+    """Per batch-size bucket: what the last probe's run cost beyond the tokens it yielded,
+    in plain steps (0 where its drafts paid). A probe halves the evidence, and where
+    drafting steps are cheap (batch 1 on AVX-512: 1.1-1.25 plain steps) the halved
+    estimate keeps drafting rejected drafts for ~10 steps after it: the run, not the probe
+    alone, is what exploring costs."""
+    _probe_bucket: int | None = field(default=None, init=False)
+    """The bucket of the probe whose run is under way (None: none is)."""
+    _probe_loss: float = field(default=0.0, init=False)
+    _probe_step_cost: float | None = field(default=None, init=False)
+    """The cost of the run's last step, settled once its drafts are verified."""
     _idle_pricing: tuple[tuple, int, tuple[Choice, int] | None] | None = field(
         default=None, init=False
     )
@@ -711,7 +741,18 @@ class DraftPolicy:
         return best_k
 
     def draft_length(self, batch_size: int) -> Choice:
+        if self._probe_step_cost is not None:
+            # The last step of a probe's run, settled now that its drafts were verified:
+            # its cost less the tokens it yielded per request, in plain steps.
+            self._probe_loss += self._probe_step_cost - (1.0 + self.stats.kept_per_row)
+            self._probe_step_cost = None
         k = self._draft_length(batch_size)
+        if self._probe_bucket is not None:
+            if k != 0:
+                self._probe_step_cost = self.step_cost(batch_size, k)
+            elif self.run_steps == 0:  # the run the probe started is over
+                self.probe_loss[self._probe_bucket] = max(self._probe_loss, 0.0)
+                self._probe_bucket = None
         self.decisions[k] = self.decisions.get(k, 0) + 1
         return k
 
@@ -766,12 +807,15 @@ class DraftPolicy:
             return 0
         self.idle_steps = 0
         self.stats.forget(0.5)
+        self._probe_bucket, self._probe_loss = batch_bucket(batch_size), 0.0
         return prior_k
 
     def probe_interval(self, batch_size: int, probe: Choice) -> int:
-        """Idle steps before a probe of ``probe``: ``probe_every``, or more where its step's
-        extra over a plain one would cost more than ``explore_budget`` of them."""
+        """Idle steps before a probe of ``probe``: ``probe_every``, or more where the probe
+        would cost more than ``explore_budget`` of them: its step's extra over a plain one,
+        or what the last probe's run at this batch size's bucket lost, if more."""
         extra = self.step_cost(batch_size, probe) - 1.0
+        extra = max(extra, self.probe_loss.get(batch_bucket(batch_size), 0.0))
         return max(self.probe_every, math.ceil(extra / self.explore_budget))
 
     def _choice_to_time(self, batch_size: int, best: Choice) -> Choice | None:

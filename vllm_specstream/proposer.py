@@ -340,10 +340,10 @@ class SpecStreamProposer:
             logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
         # The next forward's window streams (if placed there; none for anchored drafts).
         streams = 0 if isinstance(k, AnchoredChain) else rows_of(k)
-        self.target.window_streams = (
-            streams if self.tree is None else min(streams, self.tree.num_streams)
+        self._set_target(
+            window_streams=streams if self.tree is None else min(streams, self.tree.num_streams),
+            window_streams_batch=len(sampled_token_ids),
         )
-        self.target.window_streams_batch = len(sampled_token_ids)
         suffix = (
             self._suffix_choice(k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
             if req_ids
@@ -364,7 +364,7 @@ class SpecStreamProposer:
         if suffix and len(suffix) == sum(1 for s in sampled_token_ids if s):
             # Every request copies this step: the next forward runs no window streams (a
             # request that then needs the streams gets them at its anchor).
-            self.target.window_streams = 0
+            self._set_target(window_streams=0)
         if self.policy is not None:
             trees = self._tree_rows
             other = trees | set(suffix)
@@ -394,6 +394,13 @@ class SpecStreamProposer:
                 timed_as if any(drafts) else 0, k if timed_as is None else timed_as
             )
         return drafts
+
+    def _set_target(self, **values) -> None:
+        """Sets the model's attributes that changed (an ``nn.Module``'s setattr is slow)."""
+        target = self.target
+        for name, value in values.items():
+            if getattr(target, name, None) != value:
+                setattr(target, name, value)
 
     def _suffix_update(self, sampled_token_ids, token_ids_cpu) -> list[str]:
         """Grows the suffix trees by this step's sampled tokens; returns the batch's request

@@ -231,6 +231,53 @@ def test_probes_cost_at_most_their_budget_of_the_idle_steps():
     assert cheap.probe_interval(1, 4) == cheap.probe_every
 
 
+def _serve(policy: DraftPolicy, steps: int, kept_rate: float, batch: int = 1) -> list:
+    """``steps`` decisions at ``batch``, each request keeping its drafts at ``kept_rate``
+    (0: none; 1: all)."""
+    got = []
+    for _ in range(steps):
+        k = policy.draft_length(batch)
+        got.append(k)
+        n = rows_of(k)
+        policy.stats.record_proposed([[7] * n] * batch)
+        policy.stats.record_verified([[7] * (1 + round(n * kept_rate))] * batch)
+    return got
+
+
+def test_a_probes_run_is_what_exploring_costs():
+    # Drafting steps cheap (1.07-1.25 plain steps: batch 1 on AVX-512), drafts never
+    # accepted: each probe halves the evidence, and the halved estimate keeps drafting
+    # for several steps. The next probe waits until the run's loss is within the budget.
+    cheap = StepCostTable("test", (1,), {1: (1.07,), 2: (1.07,), 3: (1.16,), 4: (1.25,)}, "test")
+    policy = DraftPolicy(4, cheap, AcceptanceStats(4))
+    got = _serve(policy, 3000, kept_rate=0.0)
+    runs = []  # (start, length) of each run of drafting steps
+    for i, k in enumerate(got):
+        if k and (i == 0 or not got[i - 1]):
+            runs.append([i, 0])
+        if k:
+            runs[-1][1] += 1
+    probes = runs[1:]  # the first run is a fresh engine's prior drafting
+    assert len(probes) >= 5 and all(length > 5 for _, length in probes)
+    loss = policy.probe_loss[1]
+    assert loss > 0.5  # ~10 steps at ~0.1 plain steps each
+    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(probes, probes[1:])]
+    # each run's loss sets the gap after it (runs differ by a step or so)
+    assert all(abs(gap - loss / policy.explore_budget) < 20 for gap in gaps), (gaps, loss)
+    extra = sum(cheap.ratio(1, rows_of(k)) - 1.0 for k in got[probes[0][0] :] if k)
+    share = extra / (len(got) - probes[0][0])
+    assert share <= 1.1 * policy.explore_budget, share  # 1.3% with probes probe_every apart
+    # A probe's run whose drafts are kept costs nothing: probes stay probe_every apart.
+    stats = AcceptanceStats(4)
+    policy = DraftPolicy(4, cheap, stats)
+    policy._probe_bucket, policy._probe_loss = 1, 0.0
+    _serve(policy, 3, kept_rate=1.0)
+    stats.tried[:], stats.accepted[:] = [400, 20, 0, 0], [4, 0, 0, 0]  # traffic turned
+    _serve(policy, 1, kept_rate=0.0)
+    assert policy.probe_loss == {1: 0.0}
+    assert policy.probe_interval(1, 4) == policy.probe_every
+
+
 class _FlippableCost:
     """Every drafting step costs ``ratio`` plain steps (changed by the test)."""
 
