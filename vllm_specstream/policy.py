@@ -112,7 +112,7 @@ class AcceptanceStats:
         return hist[::-1].cumsum()[::-1][1:].astype(float)
 
     def record_proposed(self, drafts: Sequence[Sequence[int]]) -> None:
-        if not any(drafts):  # most steps of an idle engine: no numpy
+        if not any(len(d) for d in drafts):  # most steps of an idle engine: no numpy
             if self.pending[0]:
                 self.pending = np.zeros(self.num_positions)
             return
