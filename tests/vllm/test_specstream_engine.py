@@ -210,7 +210,8 @@ def test_the_default_placement_is_chosen_for_the_cpu(runs, request):
     chosen = {p: run["default_placement"] for p, run in runs[2].items() if p != "tree"}
     if "chunked" in request.node.callspec.id:
         assert chosen["window"] == cheaper_placement() == "window", chosen
-        assert chosen.get("suffix") == "window", chosen
+        if has_suffix_decoding():  # else the suffix engine is not run (make suffix-decoding)
+            assert chosen["suffix"] == "window", chosen
     else:  # placements named: nothing chosen
         assert set(chosen.values()) == {None}, chosen
 
