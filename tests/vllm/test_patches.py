@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from helpers import run_python, venv_script
 
-from vllm_specstream.patches import Patch, applied_patches, apply_patch
+from vllm_specstream.patches import Patch, applied_patches, apply_patch, wrap_once
 from vllm_specstream.patches.vllm_cli import SCRIPT_MARKER, VERSION_ALIAS, install_cli_script
 
 CPU_WHEEL = (
@@ -73,6 +73,24 @@ def test_patch_refuses_other_vllm_versions():
     assert apply_patch(patch, "0.32.0+cpu") is True and calls == [1]
     assert apply_patch(patch, "0.32.0+cpu") is True and calls == [1]  # once only
     assert "t" in applied_patches()
+
+
+def test_wrap_once_wraps_a_method_once_and_marks_it():
+    class Runner:
+        def step(self):
+            return "vllm"
+
+    def wrap(step):
+        def wrapped(self):
+            return "ours+" + step(self)
+
+        return wrapped
+
+    wrap_once(Runner, "step", wrap, "__marked__")
+    wrap_once(Runner, "step", wrap, "__marked__")  # a second application changes nothing
+    assert Runner().step() == "ours+vllm" and Runner.step.__marked__
+    wrap_once(Runner, "step", wrap, "__other__")  # another patch's mark wraps again
+    assert Runner().step() == "ours+ours+vllm"
 
 
 def test_alias_patch_targets_supported_range():

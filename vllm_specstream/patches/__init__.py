@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -57,3 +58,14 @@ def apply_patch(patch: Patch, vllm_version: str) -> bool:
     _applied.add(patch.name)
     logger.debug("vllm-specstream: patched %s (%s): %s", patch.target, patch.name, patch.why)
     return True
+
+
+def wrap_once(owner: Any, name: str, wrap: Callable[[Callable], Callable], marker: str) -> None:
+    """Replace ``owner.name`` with ``wrap(owner.name)``, marked with the attribute ``marker``,
+    unless it already carries that mark (a patch applied twice wraps once)."""
+    current = getattr(owner, name)
+    if getattr(current, marker, False):
+        return
+    wrapped = wrap(current)
+    setattr(wrapped, marker, True)
+    setattr(owner, name, wrapped)

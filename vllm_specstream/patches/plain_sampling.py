@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_specstream.patches import Patch
+from vllm_specstream.patches import Patch, wrap_once
 
 TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner._sample"
 
@@ -48,16 +48,13 @@ def _wrap_sample(sample):
             spec_decode_metadata = None
         return sample(self, logits, spec_decode_metadata)
 
-    _sample.__specstream_plain__ = True
     return _sample
 
 
 def _apply() -> None:
     from vllm.v1.worker import gpu_model_runner
 
-    runner = gpu_model_runner.GPUModelRunner
-    if not getattr(runner._sample, "__specstream_plain__", False):
-        runner._sample = _wrap_sample(runner._sample)
+    wrap_once(gpu_model_runner.GPUModelRunner, "_sample", _wrap_sample, "__specstream_plain__")
 
 
 PLAIN_SAMPLING = Patch(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_specstream.patches import Patch
+from vllm_specstream.patches import Patch, wrap_once
 
 TARGET = "vllm.v1.worker.cpu_model_runner.CPUModelRunner.load_model"
 
@@ -26,7 +26,6 @@ def _wrap_load_model(load_model):
             bind(self)
         return out
 
-    wrapped.__specstream_runner__ = True
     return wrapped
 
 
@@ -35,10 +34,8 @@ def _apply() -> None:
 
     for runner in (cpu_model_runner.CPUModelRunner, gpu_model_runner.GPUModelRunner):
         # The CPU runner defines its own load_model: wrap each class's own.
-        if "load_model" in vars(runner) and not getattr(
-            runner.load_model, "__specstream_runner__", False
-        ):
-            runner.load_model = _wrap_load_model(runner.load_model)
+        if "load_model" in vars(runner):
+            wrap_once(runner, "load_model", _wrap_load_model, "__specstream_runner__")
 
 
 PROPOSER_RUNNER = Patch(

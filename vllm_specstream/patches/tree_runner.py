@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_specstream.patches import Patch
+from vllm_specstream.patches import Patch, wrap_once
 
 TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs"
 
@@ -38,7 +38,6 @@ def _wrap_prepare_inputs(prepare):
         )
         return out
 
-    _prepare_inputs.__specstream_tree__ = True
     return _prepare_inputs
 
 
@@ -48,9 +47,12 @@ def _apply() -> None:
     from vllm_specstream.model_executor.tree_attention import register_tree_attention
     from vllm_specstream.model_executor.tree_sampler import TreeRejectionSampler
 
-    runner = gpu_model_runner.GPUModelRunner
-    if not getattr(runner._prepare_inputs, "__specstream_tree__", False):
-        runner._prepare_inputs = _wrap_prepare_inputs(runner._prepare_inputs)
+    wrap_once(
+        gpu_model_runner.GPUModelRunner,
+        "_prepare_inputs",
+        _wrap_prepare_inputs,
+        "__specstream_tree__",
+    )
     gpu_model_runner.RejectionSampler = TreeRejectionSampler
     register_tree_attention()
 
