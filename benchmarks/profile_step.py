@@ -3,8 +3,10 @@
 Runs the engine in this process, wraps the plugin's pieces and vLLM's model-runner phases in
 ``torch.profiler.record_function`` ranges, decodes ``-n`` prompts one at a time and prints,
 for decode steps only (prefill steps are left out; ``--prefill``: those alone), the median
-time per step of each range and of the whole step (``execute_model`` + ``sample_tokens``,
-which runs the proposer), then with ``--ops`` the top operators by self time. Compare
+time per step of each range, of the whole step (``execute_model`` + ``sample_tokens``,
+which runs the proposer) and of the step period (one step's start to the next's: with what
+the engine core and scheduler do between steps), then with ``--ops`` the top operators by
+self time. Compare
 ``--k 0`` (plain) with ``--k 4``, and with vLLM's own method at the same ``k``
 (``--vllm-method suffix``). With ``--lora NAME=DIR`` (repeatable) CKPT is a base served with
 those adapters (vLLM multi-LoRA, request ``i`` on adapter ``i mod A``), and the
