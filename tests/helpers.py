@@ -10,6 +10,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def load_benchmark(name: str, register: bool = False):
+    """``benchmarks/NAME.py`` as a module (the scripts there are not a package);
+    ``register``: also put it in ``sys.modules`` first (dataclasses look their module up
+    there), for the caller to remove."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # Test files in the order the suite hands them to its workers: the ones that start several
 # vLLM engines first, longest first (`make test` runs files on two workers without xdist's
 # reordering by test count, which would leave the few-test engine files for last, where the

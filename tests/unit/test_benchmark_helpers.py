@@ -1,21 +1,12 @@
 """``benchmarks/bs1_child.py``: helpers shared by the benchmark scripts."""
 
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "bs1_child.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("bs1_child", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 def test_interleaved_turns_put_every_engine_in_every_position_alike():
-    rotated = _module().rotated
+    rotated = load_benchmark("bs1_child").rotated
     order = ["plain", "control", "specstream"]
     turns = [rotated(order, t) for t in range(2 * len(order))]
     assert turns[:3] == [order, order[1:] + order[:1], order[2:] + order[:2]]

@@ -219,11 +219,7 @@ def test_probes_cost_at_most_their_budget_of_the_idle_steps():
     assert policy.best_length(1) == 0
     probe = policy.best_length(1, stats.prior_rates(), steady=True)
     assert probe == 4 and policy.probe_interval(1, probe) == 130  # 1.3 / 0.01
-    got = []
-    for _ in range(10 * 130):
-        got.append(policy.draft_length(1))
-        stats.record_proposed([[7] * rows_of(got[-1])])
-        stats.record_verified([[7]])  # every draft rejected
+    got = _serve(policy, 10 * 130, kept_rate=0.0)  # every draft rejected
     assert [i for i, k in enumerate(got) if k] == [130 * n - 1 for n in range(1, 11)]
     extra = sum(dear.ratio(1, k) - 1.0 for k in got if k)
     assert extra <= policy.explore_budget * len(got)

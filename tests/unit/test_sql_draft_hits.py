@@ -1,20 +1,10 @@
 """``benchmarks/sql_draft_hits.py``: the class of each token of a generated query."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "sql_draft_hits.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("sql_draft_hits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 def test_characters_and_tokens_are_classed_by_their_word():
-    hits = _module()
+    hits = load_benchmark("sql_draft_hits")
     query = "SELECT T1.Name FROM city AS T1 WHERE Popul > 10 AND T1.Code = 'NLD'"
     classes = hits.char_classes(query, {"city", "name", "population", "code"})
     words = {w: classes[query.index(w)] for w in ("SELECT", "T1", "Name", "Popul", "10", "'NLD'")}

@@ -1,22 +1,16 @@
 """``benchmarks/table1.py``: which bench run and evaluations make a task's rows."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "table1.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def table1():
-    spec = importlib.util.spec_from_file_location("table1", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["table1"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
+    yield load_benchmark("table1", register=True)
     sys.modules.pop("table1", None)
 
 
