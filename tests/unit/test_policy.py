@@ -584,6 +584,40 @@ def test_measured_step_times_correct_the_table():
     assert not cost.needs_plain_steps(1)
 
 
+def test_an_untimed_bucket_costs_between_the_timed_buckets_around_it():
+    # A step's cost over a plain one grows with the batch in every table: a choice timed
+    # at a smaller bucket bounds an untimed bucket's cost from below, at a larger from above.
+    low = MeasuredCost(TABLE, min_samples=2)
+    high = MeasuredCost(TABLE, min_samples=2)
+    for _ in range(2):
+        low.record(1, 0, 0.05)
+        low.record(1, 2, 0.08)  # batch 1: 1.6
+        high.record(8, 0, 0.06)
+        high.record(8, 2, 0.078)  # batch 8: 1.3
+    assert low.correction(2) == 1.0 and TABLE.ratio(2, 2) < 1.3  # the table: 1.26
+    assert low.ratio(2, 2) == pytest.approx(1.6)  # raised to batch 1's
+    assert low.ratio(1, 2) == pytest.approx(1.6)  # a timed bucket: its own
+    assert low.ratio(16, 2) == pytest.approx(TABLE.ratio(16, 2))  # the table's is above
+    assert low.ratio(2, 4) == pytest.approx(TABLE.ratio(2, 4))  # k = 4 timed nowhere
+    assert high.ratio(4, 2) == pytest.approx(1.3)  # lowered to batch 8's (table: 1.37)
+    assert high.ratio(2, 2) == pytest.approx(TABLE.ratio(2, 2))  # the table's is below
+
+
+def test_a_batch_tail_is_priced_by_the_batch_1_steps_timed_before_it():
+    # DialogSum-like acceptance (0.38 / 0.20 / 0.11 / 0.07): by the table, 2 drafts pay at
+    # batch 2 (1.58 tokens for 1.26 plain steps). Once batch 1 has timed every chain at
+    # 1.6 plain steps, a batch of 2 (the tail of a batch of 4) drafts nothing.
+    stats = _seen([38, 20, 11, 7])
+    cost = MeasuredCost(TABLE, min_samples=2)
+    policy = DraftPolicy(4, cost, stats)
+    assert policy.best_length(2) == 2
+    for _ in range(2):
+        cost.record(1, 0, 0.05)
+        for k in (1, 2, 3, 4):
+            cost.record(1, k, 0.08)
+    assert policy.best_length(1) == 0 and policy.best_length(2) == 0
+
+
 #: The AVX2 window table's batch-1 row (measured on a checkpoint of 8 MSA layers): 4 drafts
 #: at 2.06 plain steps, where a checkpoint of 15 costs 1.83.
 PRICEY_FOUR = StepCostTable("test", (1,), {1: (1.45,), 2: (1.45,), 4: (2.06,)}, "test")
