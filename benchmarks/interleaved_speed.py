@@ -16,6 +16,9 @@ specstream engine keeps its policy's state from group to group, as a serving eng
     .venv/bin/python benchmarks/interleaved_speed.py CKPT --task e2e --data FILE
         [--batch-sizes 1,4,16] [-n 8] [--max-tokens 64] [--out DIR]
 
+``--forecast`` also sets, per batch-size bucket, the policy's forecast speedup of its
+drafting steps against what they gave (:mod:`policy_forecast`).
+
 Engines compute on both cores (``VLLM_CPU_OMP_THREADS_BIND=nobind``, the bench's setting)
 unless the variable says otherwise. Measure with nothing else running.
 """
@@ -33,6 +36,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from bs1_child import keep_proposers, rotated  # noqa: E402
+from policy_forecast import ForecastLog, describe, forecast_by_bucket  # noqa: E402
 from profile_step import preload_iomp_and_reexec, task_prompts_cycled  # noqa: E402
 
 from vllm_specstream.machine import cpu_class, describe_machine  # noqa: E402
@@ -84,6 +88,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default="benchmarks/results/interleaved-speed")
+    ap.add_argument(
+        "--forecast",
+        action="store_true",
+        help="also the policy's forecast for its drafting steps against what they gave",
+    )
     args = ap.parse_args()
     preload_iomp_and_reexec()
 
@@ -104,6 +113,7 @@ def main() -> None:
         "specstream": LLM(model=args.checkpoint, speculative_config=speculative_config(4), **kw),
     }
     policy = proposers[-1].policy
+    forecast = ForecastLog(policy) if args.forecast else None
     prompts = task_prompts_cycled(
         args.checkpoint, args.task, args.data, "val", (1 + args.n) * sum(sizes)
     )
@@ -117,6 +127,8 @@ def main() -> None:
         before = dict(policy.decisions)
         # The first group of each batch size warms every engine up (not kept).
         for i in range(1 + args.n):
+            if i == 1 and forecast is not None:
+                forecast.take()  # the warm-up group's steps are not kept
             group = prompts[used : used + b]
             used += b
             outputs = {}
@@ -163,6 +175,8 @@ def main() -> None:
                 {k: round(v, 3) for k, v in p.items()} for p in phases["plain"]
             ],
         }
+        if forecast is not None:
+            cells[b]["forecast"] = forecast_by_bucket(forecast.take())
         cells[b]["median"] = {
             name: round(statistics.median(r), 3) for name, r in cells[b]["ratios"].items()
         }
@@ -198,6 +212,10 @@ def main() -> None:
             )
         )
         print(f"  b{b}: specstream's steps by choice {cells[b]['policy_steps']}")
+        if "forecast" in cells[b]:
+            print(
+                f"  b{b}: drafting steps, realized against forecast: {describe(cells[b]['forecast'])}"
+            )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"{report['cpu_class']}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")

@@ -17,3 +17,50 @@ def test_interleaved_turns_put_every_engine_in_every_position_alike():
     pairs = Counter((t[i], t[i + 1]) for t in turns for i in range(len(order) - 1))
     assert len(pairs) == 6 and set(pairs.values()) == {2}
     assert order == ["plain", "control", "specstream"]  # not reordered in place
+
+
+def test_policy_forecast_sets_realized_against_forecast_per_bucket():
+    forecast = load_benchmark("policy_forecast")
+    rows, t = [], 0.0
+
+    def call(b, k, seconds, kept=0.0, tokens=None, cost=None):
+        nonlocal t
+        row = {"t": t, "b": b, "k": k, "kept": kept}
+        if k != "k0":
+            row.update(tokens=tokens, cost=cost)
+        rows.append(row)
+        t += seconds
+
+    for _ in range(4):  # batch 1: plain steps of 20 ms, drafting steps of 30 ms
+        call(1, "k0", 0.020)
+        call(1, "k2", 0.030, tokens=2.4, cost=1.2)
+        call(1, "k2", 5.0, kept=1.0, tokens=2.4, cost=1.2)  # another engine runs after it
+    call(1, "k0", 0.020, kept=1.0)
+    call(4, "k0", 0.025)  # a new batch: the batch-1 step before it is not one of its steps
+    call(4, "k0", 0.025)
+    call(4, "k0", 0.025)
+    out = forecast.forecast_by_bucket(rows)
+    one, four = out
+    # Each 30 ms drafting step kept 1 draft: 2 tokens for 1.5 plain steps.
+    assert one["drafting_steps"] == 4 and one["plain_steps"] == 4
+    assert one["cost"] == 1.5 and one["tokens"] == 2.0
+    assert one["realized"] == round(2 / 1.5, 3) and one["forecast"] == 2.0
+    assert one["won_ms"] == 4 * 10.0
+    assert four == {"bucket": 4, "plain_steps": 2, "drafting_steps": 0}
+    assert "1.33x (forecast 2.00x; +40 ms)" in forecast.describe(out)
+
+
+def test_policy_forecast_log_wraps_one_policy_only():
+    from vllm_specstream.policy import AcceptanceStats, DraftPolicy
+    from vllm_specstream.step_cost import StepCostTable
+
+    forecast = load_benchmark("policy_forecast")
+    table = StepCostTable("test", (1,), {1: (1.1,), 2: (1.2,)}, "test")
+    logged, other = (DraftPolicy(2, table, AcceptanceStats(2)) for _ in range(2))
+    log = forecast.ForecastLog(logged)
+    assert logged.draft_length(1) == 2  # the prior drafts on a fresh engine
+    other.draft_length(1)
+    (row,) = log.take()
+    assert row["b"] == 1 and row["k"] == "k2" and row["kept"] == 0.0
+    assert row["tokens"] == logged.expected_tokens(2) and row["cost"] == 1.2
+    assert log.take() == []
