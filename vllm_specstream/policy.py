@@ -455,8 +455,8 @@ class MeasuredCost:
         reads a plain step makes anyway, with more requests they cost their arithmetic). A
         bucket a few steps visit (a batch's tail, when finished requests leave 2-3
         running) is then priced no cheaper than the batch-1 steps already timed: DialogSum
-        on AVX-512, 2 drafts at batch 2 cost 1.76 plain steps, the table 1.32, batch 1's
-        timed steps 1.36."""
+        on an AVX-512 Zen 5, drafting steps at batch 2 cost 1.7-2.1 plain steps, the table
+        prices 2 drafts there at 1.32, batch 1's timed 2-draft steps cost 1.36."""
         bucket = batch_bucket(batch_size)
         below, above = [], []
         for b, choice in self.times:

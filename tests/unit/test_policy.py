@@ -108,13 +108,16 @@ def test_the_default_placement_is_the_cheaper_at_batch_1_per_cpu_class(monkeypat
     assert step_cost.cheaper_placement("avx512") == "window"
 
 
-def test_measured_tables_never_price_more_drafts_cheaper():
+def test_measured_tables_never_price_more_drafts_or_more_requests_cheaper():
     for (cls, placement), table in TABLES.items():
         assert table.cpu_class == cls
         for b, size in enumerate(table.batch_sizes):
             row = [table.ratios[k][b] for k in sorted(table.ratios)]
             assert row == sorted(row), (cls, placement, size)
             assert row[0] > 1.0
+        # nor a batch of more requests cheaper (what bounds an untimed bucket's estimate)
+        for k, by_batch in table.ratios.items():
+            assert list(by_batch) == sorted(by_batch), (cls, placement, k)
 
 
 def test_acceptance_stats_count_what_vllm_kept():
