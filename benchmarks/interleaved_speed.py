@@ -101,6 +101,7 @@ def main() -> None:
 
     from vllm_specstream import speculative_config
     from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.policy import choice_label
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     proposers = keep_proposers()
@@ -146,7 +147,7 @@ def main() -> None:
             if i:
                 tokens += sum(len(t) for t in outputs["plain"])
         steps = {
-            (f"k{k}" if isinstance(k, int) else str(k)): n - before.get(k, 0)
+            choice_label(k): n - before.get(k, 0)
             for k, n in policy.decisions.items()
             if n > before.get(k, 0)
         }

@@ -21,15 +21,13 @@ import time
 from collections import defaultdict
 
 
-def _label(choice) -> str:
-    return f"k{choice}" if isinstance(choice, int) else str(choice)
-
-
 class ForecastLog:
     """Per-call records of one policy (installed on the instance, so other engines'
     policies are left alone)."""
 
     def __init__(self, policy) -> None:
+        from vllm_specstream.policy import choice_label
+
         self.rows: list[dict] = []
         choose = policy.draft_length
 
@@ -37,7 +35,7 @@ class ForecastLog:
             now = time.perf_counter()
             kept = policy.stats.kept_per_row
             choice = choose(batch_size)
-            row = {"t": now, "b": batch_size, "k": _label(choice), "kept": kept}
+            row = {"t": now, "b": batch_size, "k": choice_label(choice), "kept": kept}
             if choice != 0:
                 row["tokens"] = policy.expected_tokens(choice)
                 row["cost"] = policy.step_cost(batch_size, choice)
@@ -51,10 +49,6 @@ class ForecastLog:
         return rows
 
 
-def _bucket(batch_size: int) -> int:
-    return 1 << (max(batch_size, 1).bit_length() - 1)
-
-
 def forecast_by_bucket(rows: list[dict], max_gap: float = 5.0) -> list[dict]:
     """Per batch-size bucket, the drafting steps' realized and forecast speedup.
 
@@ -64,6 +58,8 @@ def forecast_by_bucket(rows: list[dict], max_gap: float = 5.0) -> list[dict]:
     time in the bucket's median plain step; forecast: the mean expected tokens over the
     mean expected cost; ``won_ms``: plain steps' time for those tokens less the steps' time.
     """
+    from vllm_specstream.policy import batch_bucket
+
     pairs = [(a, b) for a, b in zip(rows, rows[1:]) if a["b"] == b["b"]]
     if not pairs:
         return []
@@ -74,9 +70,11 @@ def forecast_by_bucket(rows: list[dict], max_gap: float = 5.0) -> list[dict]:
         if seconds > max_gap * typical:
             continue
         if a["k"] == "k0":
-            plain[_bucket(a["b"])].append(seconds)
+            plain[batch_bucket(a["b"])].append(seconds)
         else:
-            drafting[_bucket(a["b"])].append((seconds, 1.0 + b["kept"], a["tokens"], a["cost"]))
+            drafting[batch_bucket(a["b"])].append(
+                (seconds, 1.0 + b["kept"], a["tokens"], a["cost"])
+            )
     out = []
     for bucket in sorted(set(plain) | set(drafting)):
         steps = drafting.get(bucket, [])

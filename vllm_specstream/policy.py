@@ -54,7 +54,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -564,6 +564,17 @@ class CostModel(Protocol):
         ...
 
 
+class IdlePricing(NamedTuple):
+    """An idle step's pricing, reused by the idle steps after it while ``key`` holds."""
+
+    key: tuple
+    """What it read besides the step times (:meth:`DraftPolicy._idle_key`)."""
+    reuses_left: int
+    """How many more idle steps may reuse it."""
+    prior: tuple[Choice, int] | None = None
+    """The prior's choice with its probe interval, once priced."""
+
+
 @dataclass
 class DraftPolicy:
     """Drafts per request for a step: the choice of highest expected speedup (a chain of
@@ -658,13 +669,8 @@ class DraftPolicy:
     _probe_loss: float = field(default=0.0, init=False)
     _probe_step_cost: float | None = field(default=None, init=False)
     """The cost of the run's last step, settled once its drafts are verified."""
-    _idle_pricing: tuple[tuple, int, tuple[Choice, int] | None] | None = field(
-        default=None, init=False
-    )
-    """What the last idle step's pricing read (batch size, whether a window chain would
-    enter, the evidence's version, the run length), how many more idle steps may reuse it,
-    and the prior's choice with its probe interval once priced (None: the last step
-    drafted)."""
+    _idle_pricing: IdlePricing | None = field(default=None, init=False)
+    """The last idle step's pricing (None: the last step drafted)."""
     _tree_priors: tuple[bytes, np.ndarray] | None = field(default=None, init=False)
     """The template's prior tokens per prefix length under the last rates seen (every tree
     of a step is priced under the same rates: one pass over the template per step)."""
@@ -678,8 +684,10 @@ class DraftPolicy:
         """One line: the choices made so far, the acceptance estimate, and the cost ratios
         the policy now uses at ``batch_size`` (for debug logs)."""
         rates = " ".join(f"{r:.2f}" for r in self.stats.accept_rates())
-        costs = " ".join(f"{_label(k)}:{self.step_cost(batch_size, k):.2f}" for k in self.lengths())
-        chosen = " ".join(f"{_label(k)}:{n}" for k, n in self.decisions.items())
+        costs = " ".join(
+            f"{choice_label(k)}:{self.step_cost(batch_size, k):.2f}" for k in self.lengths()
+        )
+        chosen = " ".join(f"{choice_label(k)}:{n}" for k, n in self.decisions.items())
         line = f"steps by choice {chosen}; P(accept) {rates}; cost at batch {batch_size} {costs}"
         if self.trees:
             tokens = " ".join(f"{t}:{self.expected_tokens(t):.2f}" for t in self.trees)
@@ -689,7 +697,7 @@ class DraftPolicy:
             entries = [WindowEntry(k) for k in range(1, self.k_max + 1)] if self.anchored else []
             keys = [0, *self.lengths(), *entries, SuffixStep(self.k_max)]
             medians = {k: m for k in keys if (m := self.cost._median(bucket, k))}
-            measured = " ".join(f"{_label(k)}:{1e3 * m:.1f}" for k, m in medians.items())
+            measured = " ".join(f"{choice_label(k)}:{1e3 * m:.1f}" for k, m in medians.items())
             line += (
                 f" (table x {self.cost.correction(batch_size):.2f} from measured steps; "
                 f"median step ms {measured or 'none yet'})"
@@ -787,7 +795,7 @@ class DraftPolicy:
     def _draft_length(self, batch_size: int) -> Choice:
         key = self._idle_key(batch_size)
         held = self._idle_pricing
-        reused = held is not None and held[0] == key and held[1] > 0
+        reused = held is not None and held.key == key and held.reuses_left > 0
         k = 0 if reused else self.best_length(batch_size)
         if k != 0:
             self._idle_pricing = None
@@ -811,8 +819,9 @@ class DraftPolicy:
                     return probe
             return k
         self.probing = None
-        prior = held[2] if reused else None
-        self._idle_pricing = (key, held[1] - 1 if reused else self.reprice_every, prior)
+        prior = held.prior if reused else None
+        left = held.reuses_left - 1 if reused else self.reprice_every
+        self._idle_pricing = IdlePricing(key, left, prior)
         self._end_run()
         self.idle_steps += 1
         if self.idle_steps < self.probe_every:
@@ -822,7 +831,7 @@ class DraftPolicy:
             # run), and the idle steps a probe of it waits for.
             prior_k = self.best_length(batch_size, self.stats.prior_rates(), steady=True)
             prior = (prior_k, self.probe_interval(batch_size, prior_k) if prior_k else 0)
-            self._idle_pricing = (*self._idle_pricing[:2], prior)
+            self._idle_pricing = self._idle_pricing._replace(prior=prior)
         prior_k, interval = prior
         if prior_k == 0:
             self.idle_steps = 0  # no acceptance would pay at this batch size: nothing to learn
@@ -869,7 +878,8 @@ class DraftPolicy:
         return max(candidates, key=speedup.__getitem__, default=None)
 
 
-def _label(k: Choice) -> str:
+def choice_label(k: Choice) -> str:
+    """A choice as logs and benchmarks name it: ``k2`` for a chain, else its ``str``."""
     return (
         str(k) if isinstance(k, (TreeChoice, AnchoredChain, WindowEntry, SuffixStep)) else f"k{k}"
     )

@@ -53,26 +53,30 @@ logger = init_logger(__name__)
 SUMMARY_EVERY = 256
 
 
+def _apply_in_worker(patch) -> None:
+    """Applies a runner patch in the worker that builds this proposer (so vLLM's own
+    speculative methods keep vLLM's runner)."""
+    from vllm_specstream.patches import apply_patch
+    from vllm_specstream.vllm_version import ensure_supported_vllm
+
+    apply_patch(patch, ensure_supported_vllm())
+
+
 def _hand_runner_to_proposer() -> None:
     """Suffix trees are kept by the runner's input batch, which vLLM does not hand to a
     ``custom_class`` proposer: the runner hands itself over once it has loaded the model (it
     builds its proposer first, so patching its class here is in time)."""
-    from vllm_specstream.patches import apply_patch
     from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER
-    from vllm_specstream.vllm_version import ensure_supported_vllm
 
-    apply_patch(PROPOSER_RUNNER, ensure_supported_vllm())
+    _apply_in_worker(PROPOSER_RUNNER)
 
 
 def _sample_plainly_without_drafts() -> None:
     """Most steps of an adaptive engine draft nothing: vLLM's plain sampler takes those
-    (:mod:`vllm_specstream.patches.plain_sampling`); applied here, in the worker that runs
-    this proposer, so vLLM's own speculative methods keep vLLM's sampling."""
-    from vllm_specstream.patches import apply_patch
+    (:mod:`vllm_specstream.patches.plain_sampling`)."""
     from vllm_specstream.patches.plain_sampling import PLAIN_SAMPLING
-    from vllm_specstream.vllm_version import ensure_supported_vllm
 
-    apply_patch(PLAIN_SAMPLING, ensure_supported_vllm())
+    _apply_in_worker(PLAIN_SAMPLING)
 
 
 def last_accepted_index(query_start: int, first_position: int, num_tokens_no_spec: int) -> int:
