@@ -11,7 +11,9 @@ its drafts, sampling), and the next call's count is what those drafts gave, so
 drafting steps (their tokens over their time in the bucket's median plain steps) beside
 the forecast, and the time they won or lost against plain steps of the same engine.
 
-Used by ``benchmarks/interleaved_speed.py --forecast``.
+Used by ``benchmarks/interleaved_speed.py --forecast``. The log prices the chosen step
+again (the policy keeps no record of its pricing), so each drafting call of the measured
+engine also pays one choice's pricing: speeds measured with ``--forecast`` include it.
 """
 
 from __future__ import annotations
