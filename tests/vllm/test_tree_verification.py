@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_specstream_engine import run_engine
 
-from vllm_specstream.options import ENV_TREE_PRUNE, ENV_TREE_TOP_K
+from vllm_specstream.options import ENV_STREAM_DTYPE, ENV_TREE_PRUNE, ENV_TREE_TOP_K
 from vllm_specstream.options import SCHEDULE_OPTION as SCHEDULE
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
@@ -18,6 +18,12 @@ E2E_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "e2e-smollm2
 #: Two candidates per stream, 8 nodes: the top-1 chain of 4 and the 4 likeliest others.
 TOP_K, NODES = 2, 8
 TREES = {ENV_TREE_TOP_K: str(TOP_K), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: The runs whose acceptance is compared with the reference decoder's compute their drafts
+#: in the served fp32, as the reference does: on a CPU with native bf16 the default stream
+#: pass uses bf16 weight copies, whose drafts differ from fp32 ones now and then (on an
+#: Intel AMX CPU +5.6% tokens per step over these 6 requests; in fp32 every request's equal).
+#: The "widths" run keeps the default, so bf16 stream passes stay under the lossless check.
+SAME_DRAFTS = {ENV_STREAM_DTYPE: "model"}
 #: Early-exit pruning (the adapter's trained pruning head) at a threshold that prunes some
 #: nodes of most trees and keeps others.
 PRUNE = 0.01
@@ -73,7 +79,7 @@ def e2e(base_model_dir, tmp_path_factory):
             NODES,
             engine,
             requests,
-            env=TREES | {ENV_TREE_PRUNE: "off"},
+            env=TREES | SAME_DRAFTS | {ENV_TREE_PRUNE: "off"},
             trees=True,
             follow_up=8,
         ),
@@ -83,7 +89,7 @@ def e2e(base_model_dir, tmp_path_factory):
             NODES,
             engine | {"max_num_batched_tokens": 64},
             requests,
-            env=TREES | {ENV_TREE_PRUNE: str(PRUNE)},
+            env=TREES | SAME_DRAFTS | {ENV_TREE_PRUNE: str(PRUNE)},
             trees=True,
             follow_up=8,
         ),
@@ -142,8 +148,9 @@ def test_trees_are_lossless_and_leave_the_accepted_path_in_the_cache(e2e, kind):
 @pytest.mark.parametrize("kind", ["tree", "pruned"])
 def test_tree_acceptance_equals_the_reference_decoders(e2e, kind):
     # The same tree (8 nodes, top-2; pruned as in vLLM or not) decoded by the training
-    # side's reference decoder on the same prompts (the tree requests only): vLLM's tokens
-    # per step within 5%.
+    # side's reference decoder on the same prompts (the tree requests only), drafts in fp32
+    # on both sides: vLLM's tokens per step within 5% (oneDNN's fp32 GEMMs and PyTorch's
+    # may still round a near-tie of two draft candidates apart).
     import torch
 
     from vllm_specstream.training.evaluate import load_any
