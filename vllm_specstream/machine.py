@@ -8,8 +8,11 @@ import platform
 from functools import cache
 
 #: CPU classes, fastest extra rows last: AVX2 only; AVX-512 without native bf16; AVX-512
-#: with native bf16 dot products (AVX512-BF16 or AMX).
-CPU_CLASSES = ("avx2", "avx512", "avx512_bf16")
+#: with native bf16 dot products (AVX512-BF16); AMX tiles too (oneDNN runs the stream pass's
+#: bf16 GEMMs of many rows on them: on one Intel Xeon, 4 drafts for 16-32 requests cost ~0.8x
+#: the extra time they do there with AMX off, at batch 1 the same;
+#: ``benchmarks/results/step-cost/avx512_bf16-intel-amx/``).
+CPU_CLASSES = ("avx2", "avx512", "avx512_bf16", "amx")
 
 
 @cache
@@ -32,7 +35,7 @@ def cpu_info() -> tuple[str, frozenset[str]]:
 #: oneDNN's ``ONEDNN_MAX_CPU_ISA`` values that cap the class below what the CPU has: the
 #: GEMMs (vLLM's CPU linear layers are oneDNN's) then run as on a CPU of that class, bf16
 #: ones included (none below AVX-512). Values not named cap nothing (``ALL``, ``DEFAULT``,
-#: ``AVX512_CORE_BF16`` and the AMX/AVX10 ones above it).
+#: the AMX ones).
 ONEDNN_ISA_CAPS = {
     "SSE41": "avx2",
     "AVX": "avx2",
@@ -41,6 +44,9 @@ ONEDNN_ISA_CAPS = {
     "AVX2_VNNI_2": "avx2",
     "AVX512_CORE": "avx512",
     "AVX512_CORE_VNNI": "avx512",
+    "AVX512_CORE_BF16": "avx512_bf16",
+    "AVX512_CORE_FP16": "avx512_bf16",
+    "AVX10_1_512": "avx512_bf16",
 }
 
 
@@ -52,12 +58,20 @@ def cpu_class(flags: frozenset[str] | None = None, onednn_max_isa: str | None = 
         onednn_max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
     if "avx512f" not in flags:
         cls = "avx2"
-    elif {"avx512_bf16", "amx_bf16"} & flags:
+    elif "amx_bf16" in flags:
+        cls = "amx"
+    elif "avx512_bf16" in flags:
         cls = "avx512_bf16"
     else:
         cls = "avx512"
     cap = ONEDNN_ISA_CAPS.get((onednn_max_isa or "").strip().upper(), cls)
     return min(cls, cap, key=CPU_CLASSES.index)
+
+
+def native_bf16(cls: str | None = None) -> bool:
+    """Whether CPU class ``cls`` (default: this CPU's, as oneDNN may use it) multiplies bf16
+    natively; elsewhere oneDNN emulates bf16, slower than fp32."""
+    return CPU_CLASSES.index(cls or cpu_class()) >= CPU_CLASSES.index("avx512_bf16")
 
 
 def describe_machine() -> str:

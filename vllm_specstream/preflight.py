@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from vllm_specstream.config import MERGED_ARCHITECTURE, ConfigError
-from vllm_specstream.machine import cpu_class
+from vllm_specstream.machine import cpu_class, native_bf16
 from vllm_specstream.merged_checkpoint import (
     ADAPTER_STREAMS_ONLY,
     adapter_streams_only,
@@ -186,7 +186,7 @@ def dtype_advice(resolved: str, requested: str, cls: str | None = None) -> tuple
     to get the fast path.
     """
     cls = cls or cpu_class()
-    if resolved != "bfloat16" or cls == "avx512_bf16":
+    if resolved != "bfloat16" or native_bf16(cls):
         return None, ""
     why = f"this CPU ({cls}) has no native bf16 matmul, so bf16 is emulated and slower than fp32"
     if requested in ("auto", "", None):

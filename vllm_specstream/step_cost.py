@@ -108,14 +108,23 @@ _AVX512_EMULATED_SOURCE = (
     "measured there --placement {placement}"
 )
 
+_AMX_SOURCE = (
+    "Intel Xeon with AMX-BF16 (family 6 model 167 as the VM reports it), 2 cores, nothing "
+    "else running, fp32, SmolLM2-135M demo SQL checkpoint merged (8 MSA layers), Spider "
+    "validation prompts: benchmarks/step_cost.py (interleaved, engines on both cores, 8 timed "
+    "groups; each ratio divided by the control's at its batch size: the second plain engine, "
+    "built before the speculating ones and after plain, ran 0.91-0.98 of plain) --ks 1,2,3,4 "
+    "--batch-sizes 1,4,16,32 --max-tokens 24 --control --placement {placement}"
+)
+
 #: Batch sizes every table below was measured at.
 _BATCH_SIZES = (1, 4, 16, 32)
 
 #: (CPU class, placement) -> (draft length -> cost ratio per batch size, source), from
 #: ``benchmarks/results/step-cost/``, made non-decreasing in k (more drafts never cost less):
 #: the AVX2 ones keep each cell's fastest round and raise a cell below the one before it;
-#: the interleaved AVX-512 ones lower a cell above a longer draft's (a step with more drafts
-#: does all a shorter one does, so its median bounds the shorter one's).
+#: the interleaved AVX-512 and AMX ones lower a cell above a longer draft's (a step with more
+#: drafts does all a shorter one does, so its median bounds the shorter one's).
 _MEASURED: dict[tuple[str, str], tuple[dict[int, tuple[float, ...]], str]] = {
     ("avx2", "accepted"): (
         {
@@ -169,6 +178,24 @@ _MEASURED: dict[tuple[str, str], tuple[dict[int, tuple[float, ...]], str]] = {
             4: (1.34, 2.56, 4.41, 4.96),
         },
         _AVX512_EMULATED_SOURCE.format(placement="accepted"),
+    ),
+    ("amx", "window"): (
+        {
+            1: (1.17, 1.47, 1.81, 2.15),
+            2: (1.25, 1.69, 2.37, 2.89),
+            3: (1.35, 1.99, 2.89, 3.56),
+            4: (1.45, 2.24, 3.51, 4.67),
+        },
+        _AMX_SOURCE.format(placement="window"),
+    ),
+    ("amx", "accepted"): (
+        {
+            1: (1.32, 1.51, 1.78, 2.05),
+            2: (1.34, 1.65, 2.12, 2.49),
+            3: (1.36, 1.82, 2.42, 2.92),
+            4: (1.39, 1.94, 2.76, 3.37),
+        },
+        _AMX_SOURCE.format(placement="accepted"),
     ),
 }
 

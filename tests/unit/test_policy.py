@@ -9,7 +9,7 @@ import torch
 
 from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
 from vllm_specstream.config import ConfigError
-from vllm_specstream.machine import cpu_class
+from vllm_specstream.machine import CPU_CLASSES, cpu_class, native_bf16
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.stash import StreamStash
 from vllm_specstream.options import (
@@ -69,14 +69,16 @@ def test_step_cost_interpolates_in_batch_size_and_draft_length():
 
 
 def test_every_cpu_class_gets_a_table():
-    for cls in ("avx2", "avx512", "avx512_bf16"):
+    for cls in CPU_CLASSES:
         for placement in ("window", "accepted"):
             table = table_for(placement, cls)
             assert table.ratio(1, 1) > 1.0
             assert table is TABLES[cls, placement] and table.cpu_class == cls
     assert cpu_class(frozenset({"avx2"})) == "avx2"
     assert cpu_class(frozenset({"avx2", "avx512f"})) == "avx512"
-    assert cpu_class(frozenset({"avx512f", "amx_bf16"})) == "avx512_bf16"
+    assert cpu_class(frozenset({"avx2", "avx512f", "avx512_bf16"})) == "avx512_bf16"
+    assert cpu_class(frozenset({"avx512f", "avx512_bf16", "amx_bf16"})) == "amx"
+    assert [native_bf16(cls) for cls in CPU_CLASSES] == [False, False, True, True]
 
 
 def test_onednn_isa_limit_caps_the_cpu_class(monkeypatch):
@@ -86,6 +88,12 @@ def test_onednn_isa_limit_caps_the_cpu_class(monkeypatch):
     assert cpu_class(bf16, "AVX512_CORE") == "avx512"
     assert cpu_class(bf16, "avx2") == "avx2"
     assert cpu_class(bf16, "AVX512_CORE_BF16") == cpu_class(bf16, "ALL") == "avx512_bf16"
+    # oneDNN's AMX kernels are off below its AMX ISAs: the class drops to AVX512-BF16's
+    amx = bf16 | {"amx_bf16"}
+    for isa in ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "avx10_1_512"):
+        assert cpu_class(amx, isa) == "avx512_bf16", isa
+    assert cpu_class(amx, "AVX512_CORE_AMX") == cpu_class(amx, "ALL") == "amx"
+    assert cpu_class(amx, "AVX512_CORE") == "avx512"
     assert cpu_class(frozenset({"avx2"}), "AVX512_CORE") == "avx2"
     assert cpu_class(bf16, None) == "avx512_bf16"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
@@ -99,7 +107,7 @@ def test_the_default_placement_is_the_cheaper_at_batch_1_per_cpu_class(monkeypat
     from vllm_specstream import step_cost
 
     # window on every measured class (1-4 drafts summed: AVX2 6.7 against 7.0 plain steps)
-    for cls in ("avx2", "avx512", "avx512_bf16"):
+    for cls in CPU_CLASSES:
         assert step_cost.cheaper_placement(cls) == "window", cls
     # A class whose accepted steps cost less gets accepted.
     cheap = StepCostTable("avx2", (1,), {1: (1.1,), 4: (1.3,)}, "x")

@@ -228,6 +228,7 @@ def test_stream_params_follow_the_config_shapes():
         ("bfloat16", "auto", "avx512", "float32", "this CPU (avx512) has no native bf16"),
         ("bfloat16", "bfloat16", "avx2", None, "pass --dtype float32"),
         ("bfloat16", "auto", "avx512_bf16", None, ""),
+        ("bfloat16", "bfloat16", "amx", None, ""),
         ("float32", "auto", "avx2", None, ""),
     ],
 )
@@ -244,7 +245,7 @@ def test_the_vllm_hook_serves_a_bf16_checkpoint_in_fp32_where_bf16_is_slow(tmp_p
     bf16 (this one, or a flag set that says so), unchanged where the CPU has it; other
     models and an explicit dtype are left alone."""
     pytest.importorskip("vllm")
-    from vllm_specstream.machine import cpu_class
+    from vllm_specstream.machine import native_bf16
     from vllm_specstream.patches.engine_config_check import _advise_dtype
 
     ckpt = make_checkpoint(tmp_path)
@@ -252,7 +253,7 @@ def test_the_vllm_hook_serves_a_bf16_checkpoint_in_fp32_where_bf16_is_slow(tmp_p
     (ckpt / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
     args = SimpleNamespace(model=str(ckpt), dtype="auto", speculative_config=None)
     _advise_dtype(args)
-    assert args.dtype == ("auto" if cpu_class() == "avx512_bf16" else "float32")
+    assert args.dtype == ("auto" if native_bf16() else "float32")
     explicit = SimpleNamespace(model=str(ckpt), dtype="bfloat16", speculative_config=None)
     _advise_dtype(explicit)
     assert explicit.dtype == "bfloat16"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_specstream.logger import init_logger
-from vllm_specstream.machine import cpu_class
+from vllm_specstream.machine import native_bf16
 from vllm_specstream.options import ENV_STREAM_DTYPE
 
 logger = init_logger(__name__)
@@ -44,7 +44,7 @@ Matmul = Callable[[Tensor], Tensor]
 def native_bf16_cpu() -> bool:
     """Whether this CPU multiplies bf16 natively (else oneDNN emulates it, slower than fp32),
     as oneDNN is allowed to (``ONEDNN_MAX_CPU_ISA``)."""
-    return cpu_class() == "avx512_bf16"
+    return native_bf16()
 
 
 def onednn_available() -> bool:

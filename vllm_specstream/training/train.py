@@ -156,9 +156,9 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     if name == "auto":
         if device is not None and device.type == "cuda":
             return torch.bfloat16
-        from vllm_specstream.machine import cpu_class
+        from vllm_specstream.machine import native_bf16
 
-        fast_bf16 = torch.backends.mkldnn.is_available() and cpu_class() == "avx512_bf16"
+        fast_bf16 = torch.backends.mkldnn.is_available() and native_bf16()
         return torch.bfloat16 if fast_bf16 else torch.float32
     raise ValueError(f"--dtype must be bf16, fp32 or auto, got {name!r}")
 
