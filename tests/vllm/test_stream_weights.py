@@ -54,7 +54,7 @@ def test_packed_reason_rules(monkeypatch):
 
     monkeypatch.setattr(sw, "onednn_available", lambda: True)
     monkeypatch.setattr(sw, "bf16_gemm_available", lambda: True)
-    monkeypatch.setattr(sw, "native_bf16_cpu", lambda: True)
+    monkeypatch.setattr(sw, "native_bf16", lambda cls=None: True)
     f32, bf16 = torch.float32, torch.bfloat16
     assert packed_reason("auto", True, f32, 1) is None
     assert "model" in packed_reason("model", True, f32, 1)
@@ -62,7 +62,7 @@ def test_packed_reason_rules(monkeypatch):
     assert "tensor parallel" in packed_reason("bfloat16", True, f32, 2)
     assert "bfloat16" in packed_reason("auto", True, bf16, 1)
     assert packed_reason("bfloat16", True, bf16, 1) is None  # forced: no dtype rule
-    monkeypatch.setattr(sw, "native_bf16_cpu", lambda: False)
+    monkeypatch.setattr(sw, "native_bf16", lambda cls=None: False)
     assert "native bf16" in packed_reason("auto", True, f32, 1)
     assert packed_reason("bfloat16", True, f32, 1) is None
     monkeypatch.setattr(sw, "bf16_gemm_available", lambda: False)

@@ -41,12 +41,6 @@ Tensor = torch.Tensor
 Matmul = Callable[[Tensor], Tensor]
 
 
-def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bf16 natively (else oneDNN emulates it, slower than fp32),
-    as oneDNN is allowed to (``ONEDNN_MAX_CPU_ISA``)."""
-    return native_bf16()
-
-
 def onednn_available() -> bool:
     try:
         from vllm import _custom_ops as ops
@@ -126,7 +120,7 @@ def packed_reason(mode: str, platform_is_cpu: bool, model_dtype, tp_size: int) -
     if mode == "auto":
         if model_dtype != torch.float32:
             return f"the model runs in {model_dtype} already"
-        if not native_bf16_cpu():
+        if not native_bf16():
             return "this CPU has no native bf16 (AVX512-BF16/AMX)"
     if not bf16_gemm_available():
         return "vLLM's oneDNN has no bf16 GEMM on this CPU (it needs AVX-512)"
