@@ -178,6 +178,8 @@ def main() -> None:
         }
         if forecast is not None:
             cells[b]["forecast"] = forecast_by_bucket(forecast.take())
+            # what the policy then knows at this size: acceptance, costs, timed steps
+            cells[b]["policy_summary"] = policy.summary(b)
         cells[b]["median"] = {
             name: round(statistics.median(r), 3) for name, r in cells[b]["ratios"].items()
         }
@@ -217,6 +219,7 @@ def main() -> None:
             print(
                 f"  b{b}: drafting steps, realized against forecast: {describe(cells[b]['forecast'])}"
             )
+            print(f"  b{b}: policy at the cell's end: {cells[b]['policy_summary']}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"{report['cpu_class']}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")

@@ -8,7 +8,7 @@ tokens and cost, and the drafts per request the last call's drafts kept. The tim
 call to the next is the step the choice paid for (its stream pass, the forward verifying
 its drafts, sampling), and the next call's count is what those drafts gave, so
 :func:`forecast_by_bucket` can set, per batch-size bucket, the realized speedup of the
-drafting steps (their tokens over their time in the bucket's median plain steps) beside
+drafting steps (their tokens over their time in the bucket's mean plain step) beside
 the forecast, and the time they won or lost against plain steps of the same engine.
 
 Used by ``benchmarks/interleaved_speed.py --forecast``. The log prices the chosen step
@@ -57,8 +57,9 @@ def forecast_by_bucket(rows: list[dict], max_gap: float = 5.0) -> list[dict]:
     A step is a call and the next one of the same batch size; one longer than ``max_gap``
     times the median step (another engine ran between, or a new request's prefill) is left
     out. Realized: the tokens per request the steps gave (1 + drafts kept) over their summed
-    time in the bucket's median plain step; forecast: the mean expected tokens over the
-    mean expected cost; ``won_ms``: plain steps' time for those tokens less the steps' time.
+    time in the bucket's mean plain step; forecast: the mean expected tokens
+    (``forecast_tokens``) over the mean expected cost (``forecast_cost``); ``won_ms``:
+    plain steps' time for those tokens less the steps' time.
     """
     from vllm_specstream.policy import batch_bucket
 
@@ -86,14 +87,19 @@ def forecast_by_bucket(rows: list[dict], max_gap: float = 5.0) -> list[dict]:
             "drafting_steps": len(steps),
         }
         if steps and plain.get(bucket):
-            step = statistics.median(plain[bucket])
+            # The mean plain step: the time those tokens would have taken without drafts
+            # (step times are skewed: the median would price them cheaper than they run).
+            step = statistics.fmean(plain[bucket])
             seconds = sum(s[0] for s in steps)
             tokens = sum(s[1] for s in steps)
             row.update(
                 plain_ms=round(1e3 * step, 2),
+                plain_median_ms=round(1e3 * statistics.median(plain[bucket]), 2),
                 cost=round(seconds / len(steps) / step, 3),
                 tokens=round(tokens / len(steps), 3),
                 realized=round(tokens * step / seconds, 3),
+                forecast_tokens=round(statistics.mean(s[2] for s in steps), 3),
+                forecast_cost=round(statistics.mean(s[3] for s in steps), 3),
                 forecast=round(
                     statistics.mean(s[2] for s in steps) / statistics.mean(s[3] for s in steps), 3
                 ),
@@ -112,6 +118,7 @@ def describe(buckets: list[dict]) -> str:
                 f"bucket {r['bucket']}: {r['drafting_steps']} drafting steps of "
                 f"{r['drafting_steps'] + r['plain_steps']}, {r['cost']:.2f} plain steps for "
                 f"{r['tokens']:.2f} tokens, {r['realized']:.2f}x (forecast "
+                f"{r['forecast_cost']:.2f} for {r['forecast_tokens']:.2f}, "
                 f"{r['forecast']:.2f}x; {r['won_ms']:+.0f} ms)"
             )
         elif r["drafting_steps"]:

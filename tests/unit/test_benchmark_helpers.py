@@ -1,7 +1,8 @@
-"""``benchmarks/bs1_child.py``: helpers shared by the benchmark scripts."""
+"""Helpers of the benchmark scripts (`benchmarks/`): what their tables are computed with."""
 
 from collections import Counter
 
+import pytest
 from helpers import load_benchmark
 
 
@@ -45,9 +46,32 @@ def test_policy_forecast_sets_realized_against_forecast_per_bucket():
     assert one["drafting_steps"] == 4 and one["plain_steps"] == 4
     assert one["cost"] == 1.5 and one["tokens"] == 2.0
     assert one["realized"] == round(2 / 1.5, 3) and one["forecast"] == 2.0
+    assert one["forecast_tokens"] == 2.4 and one["forecast_cost"] == 1.2
     assert one["won_ms"] == 4 * 10.0
     assert four == {"bucket": 4, "plain_steps": 2, "drafting_steps": 0}
-    assert "1.33x (forecast 2.00x; +40 ms)" in forecast.describe(out)
+    assert "1.33x (forecast 1.20 for 2.40, 2.00x; +40 ms)" in forecast.describe(out)
+
+
+def test_policy_forecast_prices_tokens_at_the_mean_plain_step():
+    forecast = load_benchmark("policy_forecast")
+    rows, t = [], 0.0
+    # plain steps of 20, 20 and 50 ms (mean 30, median 20), two drafting steps of 45 ms
+    for b, k, seconds, kept in [
+        (1, "k0", 0.020, 0.0),
+        (1, "k0", 0.020, 0.0),
+        (1, "k0", 0.050, 0.0),
+        (1, "k1", 0.045, 0.0),
+        (1, "k1", 0.045, 1.0),
+        (1, "k0", 0.020, 1.0),
+    ]:
+        rows.append({"t": t, "b": b, "k": k, "kept": kept, "tokens": 2.0, "cost": 1.5})
+        t += seconds
+    (one,) = forecast.forecast_by_bucket(rows)
+    assert one["plain_ms"] == 30.0 and one["plain_median_ms"] == 20.0
+    # each drafting step kept its draft (read at the next call): 4 tokens in 90 ms, where
+    # plain steps take 120 (at the median they would be priced at 80: a loss)
+    assert one["tokens"] == 2.0 and one["realized"] == round(120 / 90, 3)
+    assert one["won_ms"] == 30.0
 
 
 def test_policy_forecast_log_wraps_one_policy_only():
@@ -64,3 +88,23 @@ def test_policy_forecast_log_wraps_one_policy_only():
     assert row["b"] == 1 and row["k"] == "k2" and row["kept"] == 0.0
     assert row["tokens"] == logged.expected_tokens(2) and row["cost"] == 1.2
     assert log.take() == []
+
+
+def test_acceptance_spread_separates_the_requests_spread_from_chance():
+    spread = load_benchmark("acceptance_spread").spread
+    # Alike requests: every one keeps its first draft at half its steps, in alternation
+    # (no runs), so the rates differ by nothing and the steps are anti-correlated.
+    alike = spread([[1, 0] * 10, [0, 2] * 10, [3, 0] * 10])
+    assert alike["first_kept_pooled"] == 0.5
+    assert alike["first_kept_sd_observed"] == 0.0
+    assert alike["first_kept_sd_by_chance"] == pytest.approx((0.25 / 20) ** 0.5)
+    assert alike["first_kept_sd_requests"] == 0.0
+    assert alike["lag1_correlation"] < -0.9
+    # Requests that differ: one always keeps it, one never: their own spread is most of it.
+    apart = spread([[2] * 20, [0] * 20, []])  # a request with no steps is left out
+    assert apart["requests"] == 2 and apart["steps"] == 40
+    assert apart["first_kept_sd_observed"] == 0.5
+    assert 0.48 < apart["first_kept_sd_requests"] < 0.5
+    assert apart["first_kept_range"] == [0.0, 1.0]
+    assert apart["tokens_per_step"] == 2.0 and apart["tokens_per_step_range"] == [1.0, 3.0]
+    assert apart["lag1_correlation"] > 0.9
