@@ -228,14 +228,14 @@ def sample(ckpt: str, k: int, n: int, trees: bool = False) -> dict:
     return result
 
 
-def plain_run(model: str, prompts: list[str], n: int) -> dict:
+def plain_run(model: str, prompts: list[str], n: int, dtype: str = "float32") -> dict:
     """Greedy prompt + output tokens of a plain model, and whether the plugin registered in
     this (front-end) process."""
     from vllm import SamplingParams
 
     import vllm_specstream.plugin
 
-    llm = _llm(model, max_model_len=512)
+    llm = _llm(model, max_model_len=512, dtype=dtype)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
     return {
         "frontend_registered": vllm_specstream.plugin._registered,

@@ -3,6 +3,8 @@
 import pytest
 from engine_child import run_child
 
+from vllm_specstream.machine import cpu_info
+
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
 PROMPTS = [
@@ -58,3 +60,27 @@ def test_greedy_matches_transformers(engine_run, base_model_dir):
             pad_token_id=tok.eos_token_id,
         )
         assert hf[0].tolist() == ids, prompt
+
+
+@pytest.mark.skipif(
+    "amx_tile" not in cpu_info()[1],
+    reason="needs a CPU with AMX tiles (vLLM takes AMX kernels for bf16 there)",
+)
+def test_bf16_engine_runs_with_onednn_capped_below_amx(base_model_dir):
+    # vLLM picks its AMX kernels from the CPU's flags; with oneDNN capped below AMX they
+    # cannot run, and the worker died at its first step (patches/onednn_amx_cap.py).
+    result, out = run_child(
+        "plain_run",
+        env={"ONEDNN_MAX_CPU_ISA": "AVX2", "VLLM_LOGGING_LEVEL": "DEBUG"},
+        check=False,
+        processes=True,  # the user's process layout: the worker must be patched too
+        model=str(base_model_dir),
+        prompts=PROMPTS[:2],
+        n=8,
+        dtype="bfloat16",
+    )
+    assert out.returncode == 0 and result is not None, out.stderr[-3000:]
+    assert len(result["tokens"]) == 2  # both requests served: prompt and output tokens
+    log = out.stdout + out.stderr
+    patched = [line for line in log.splitlines() if "keeps oneDNN off AMX" in line]
+    assert any("Worker" in line for line in patched), patched

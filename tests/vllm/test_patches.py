@@ -147,6 +147,51 @@ def test_expand_patch_is_applied_by_register():
     assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
 
 
+def test_vllm_picks_its_amx_kernels_by_torch_amx_tile_check(monkeypatch):
+    # If this fails, vLLM chooses its AMX kernels another way: patches/onednn_amx_cap.py
+    # must follow it (or go, if vLLM now asks oneDNN).
+    import torch
+    from vllm.model_executor.layers import utils as layer_utils
+    from vllm.v1.attention.backends import cpu_attn
+
+    for amx, isa in ((True, "amx"), (False, "vec")):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert cpu_attn._get_attn_isa(torch.bfloat16, 128, 64) == isa
+        assert layer_utils.check_cpu_sgl_kernel(576, 576, torch.bfloat16) is amx
+
+
+def test_amx_cap_patch_applies_only_where_onednn_is_capped_below_amx():
+    from vllm_specstream.patches.onednn_amx_cap import capped_below_amx
+
+    amx = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    for cap in ("AVX2", "AVX512_CORE", "AVX512_CORE_BF16"):
+        assert capped_below_amx(amx, cap), cap
+    for cap in (None, "", "ALL", "AVX512_CORE_AMX"):  # oneDNN may use AMX
+        assert not capped_below_amx(amx, cap), cap
+    assert not capped_below_amx(frozenset({"avx2", "avx512f", "avx512_bf16"}), "AVX2")
+
+
+@needs_cpu_wheel
+@pytest.mark.parametrize("cap", ["AVX2", None])
+def test_amx_cap_patch_is_applied_by_register(cap):
+    from vllm_specstream.machine import cpu_info
+
+    if "amx_tile" not in cpu_info()[1]:
+        pytest.skip("needs a CPU with AMX tiles")
+    env = {"ONEDNN_MAX_CPU_ISA": cap} if cap else {}
+    out = run_python(
+        "import os\n"
+        "os.environ.pop('ONEDNN_MAX_CPU_ISA', None) if not os.environ.get('CAP') else None\n"
+        "from vllm_specstream.plugin import register\n"
+        "register()\n"
+        "import torch\n"
+        "print(torch.cpu._is_amx_tile_supported())\n",
+        env={**env, "CAP": cap or ""},
+    )
+    # capped: vLLM is told what oneDNN is (no AMX); uncapped: the CPU's own answer
+    assert out.stdout.strip().endswith("False" if cap else "True"), out.stderr[-3000:]
+
+
 def test_spec_alias_resolution():
     from types import SimpleNamespace
 
