@@ -92,17 +92,17 @@ def forecast_by_bucket(rows: list[dict], max_gap: float = 5.0) -> list[dict]:
             step = statistics.fmean(plain[bucket])
             seconds = sum(s[0] for s in steps)
             tokens = sum(s[1] for s in steps)
+            expected_tokens = statistics.mean(s[2] for s in steps)
+            expected_cost = statistics.mean(s[3] for s in steps)
             row.update(
                 plain_ms=round(1e3 * step, 2),
                 plain_median_ms=round(1e3 * statistics.median(plain[bucket]), 2),
                 cost=round(seconds / len(steps) / step, 3),
                 tokens=round(tokens / len(steps), 3),
                 realized=round(tokens * step / seconds, 3),
-                forecast_tokens=round(statistics.mean(s[2] for s in steps), 3),
-                forecast_cost=round(statistics.mean(s[3] for s in steps), 3),
-                forecast=round(
-                    statistics.mean(s[2] for s in steps) / statistics.mean(s[3] for s in steps), 3
-                ),
+                forecast_tokens=round(expected_tokens, 3),
+                forecast_cost=round(expected_cost, 3),
+                forecast=round(expected_tokens / expected_cost, 3),
                 won_ms=round(1e3 * (tokens * step - seconds), 1),
             )
         out.append(row)

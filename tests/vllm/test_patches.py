@@ -178,15 +178,14 @@ def test_amx_cap_patch_is_applied_by_register(cap):
 
     if "amx_tile" not in cpu_info()[1]:
         pytest.skip("needs a CPU with AMX tiles")
-    env = {"ONEDNN_MAX_CPU_ISA": cap} if cap else {}
+    # uncapped: the child drops any cap this process runs under
+    uncap = "" if cap else "import os\nos.environ.pop('ONEDNN_MAX_CPU_ISA', None)\n"
     out = run_python(
-        "import os\n"
-        "os.environ.pop('ONEDNN_MAX_CPU_ISA', None) if not os.environ.get('CAP') else None\n"
-        "from vllm_specstream.plugin import register\n"
+        uncap + "from vllm_specstream.plugin import register\n"
         "register()\n"
         "import torch\n"
         "print(torch.cpu._is_amx_tile_supported())\n",
-        env={**env, "CAP": cap or ""},
+        env={"ONEDNN_MAX_CPU_ISA": cap} if cap else None,
     )
     # capped: vLLM is told what oneDNN is (no AMX); uncapped: the CPU's own answer
     assert out.stdout.strip().endswith("False" if cap else "True"), out.stderr[-3000:]
