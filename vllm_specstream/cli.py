@@ -106,6 +106,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if task is None and not args.data:
         print(f"specstream train: error: --task {args.task} needs --data FILE", file=sys.stderr)
         return 2
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        print(
+            f"specstream train: error: --max-minutes {args.max_minutes}: must be > 0",
+            file=sys.stderr,
+        )
+        return 2
     if args.lora_lr is not None and not args.lora_lr >= 0:
         print(f"specstream train: error: --lora-lr {args.lora_lr}: must be >= 0", file=sys.stderr)
         return 2
@@ -183,6 +189,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         save_every=args.save_every,
         eval_every=args.eval_every,
         seed=args.seed,
+        max_minutes=args.max_minutes,
+        continue_from=args.continue_from,
         pack=args.pack,
         frozen_prefix=args.frozen_prefix,
     )
@@ -638,6 +646,23 @@ def _add_training_parsers(sub) -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        metavar="M",
+        help="stop after the first step past M minutes of training and write the adapter as it "
+        "stands, with OUT/train_state.json (step reached, examples seen); the same command "
+        "continues from OUT/checkpoint, --continue-from continues from the adapter alone",
+    )
+    p.add_argument(
+        "--continue-from",
+        metavar="ADAPTER_DIR",
+        help="continue an unfinished run (--max-minutes) from its adapter alone, e.g. one "
+        "committed or copied from another machine: at its step, with the data order and "
+        "learning-rate schedule of the whole run (the same settings and --data; checked), so "
+        "no example repeats before all have been seen; the optimizer's moments restart under "
+        "a --warmup-steps warm-up",
+    )
     p.add_argument(
         "--no-pack",
         dest="pack",

@@ -92,3 +92,24 @@ def test_card_has_the_three_models_and_vllm_rows(tmp_path):
     main([str(adapter), "--eval", str(tmp_path / "eval.json"), "--command", "cmd"])
     card = (adapter / "README.md").read_text()
     assert "| learning rates | main LoRA frozen, stream init adapter 0.0005, stream " in card
+    # A run that wrote train_state.json: the data it saw and each process that trained it.
+    state = {
+        "step": 300,
+        "steps": 500,
+        "examples_seen": 2400,
+        "distinct_examples": 2400,
+        "train_examples": 42061,
+        "distinct_prompts": 1900,
+        "train_prompts": 4862,
+        "segments": [
+            {"from": 0, "to": 100, "tokens": 60000, "seconds": 600.0, "trained_on": "CPU A"},
+            {"from": 100, "to": 300, "tokens": 240000, "seconds": 1200.0, "trained_on": "GPU B"},
+        ],
+    }
+    (adapter / "train_state.json").write_text(json.dumps(state))
+    main([str(adapter), "--eval", str(tmp_path / "eval.json"), "--command", "cmd"])
+    card = (adapter / "README.md").read_text()
+    assert "300 steps (unfinished: 500 planned): 2,400 examples seen, 2,400 distinct" in card
+    assert "(prompts covered: 1,900 of 4,862)" in card
+    assert "| 0-100 | 60,000 | 10 min | 100 | CPU A |" in card
+    assert "| 100-300 | 240,000 | 20 min | 200 | GPU B |" in card

@@ -1,5 +1,6 @@
 """The training loop on a tiny model with the real tokenizer: runs, saves, resumes exactly, evals."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ from vllm_specstream.training.train import (
     lr_factor,
     resolve_device,
     resolve_dtype,
+    seen_examples,
     train,
 )
 
@@ -36,11 +38,8 @@ def tiny_base(base_model_dir, tmp_path_factory):
 
 
 def args_for(base, out, steps=4, **kw):
-    return TrainArgs(
-        base=str(base),
-        out=str(out),
+    settings = dict(
         task="sql",
-        steps=steps,
         batch_size=2,
         spec=SpecStreamConfig(num_streams=2, num_msa_layers=2),
         lora=LoraSettings(rank=4, layers="msa"),
@@ -51,8 +50,8 @@ def args_for(base, out, steps=4, **kw):
         warmup_steps=1,
         max_length=96,
         dtype="fp32",
-        **kw,
     )
+    return TrainArgs(base=str(base), out=str(out), steps=steps, **{**settings, **kw})
 
 
 def test_batches_are_a_pure_function_of_the_step():
@@ -62,6 +61,15 @@ def test_batches_are_a_pure_function_of_the_step():
     assert lr_factor(0, 10, 100) == pytest.approx(0.1) and lr_factor(100, 10, 100) == pytest.approx(
         0.1
     )
+
+
+def test_seen_examples_are_those_the_batches_drew():
+    for micro_steps in (0, 3, 5, 7):
+        drawn = {i for s in range(micro_steps) for i in batch_indices(10, 4, s, 3)}
+        assert seen_examples(10, 4, micro_steps, 3) == drawn
+    # A continued run warms up again from its first step, then follows the run's schedule.
+    assert lr_factor(50, 10, 100, continued_at=50) == pytest.approx(lr_factor(50, 10, 100) / 10)
+    assert lr_factor(60, 10, 100, continued_at=50) == pytest.approx(lr_factor(60, 10, 100))
 
 
 def test_device_choices_and_their_errors():
@@ -166,6 +174,48 @@ def test_a_finished_run_extends_with_more_steps_and_ignores_fewer(tiny_base, tmp
     assert state["step"] == 4
     after = load_file(str(out / "specstream.safetensors"))["stream_embeddings"]
     torch.testing.assert_close(before, after, atol=0, rtol=0)
+
+
+def test_a_run_stopped_by_time_continues_from_its_adapter_alone(tiny_base, tmp_path):
+    """--max-minutes writes a usable adapter; --continue-from that adapter (without the
+    optimizer's checkpoint, as committed) trains on where the data and schedule left off."""
+    from vllm_specstream.config import ConfigError
+
+    whole = train(args_for(tiny_base, tmp_path / "whole", steps=6, warmup_steps=2), progress=False)
+    first = train(
+        args_for(tiny_base, tmp_path / "first", steps=6, warmup_steps=2, max_minutes=1e-9),
+        progress=False,
+    )
+    state = json.loads((first / "train_state.json").read_text())
+    assert (state["step"], state["steps"], state["examples_seen"]) == (1, 6, 2)
+    assert (first / "specstream.safetensors").is_file()
+    committed = tmp_path / "committed"
+    shutil.copytree(first, committed, ignore=shutil.ignore_patterns("checkpoint"))
+
+    with pytest.raises(ConfigError, match=r"batch_size=2, this run has 4; continue with"):
+        bad = args_for(tiny_base, tmp_path / "bad", 6, warmup_steps=2, batch_size=4)
+        train(dataclasses.replace(bad, continue_from=str(committed)), progress=False)
+    with pytest.raises(ConfigError, match="not the adapter of an unfinished run"):
+        train(args_for(tiny_base, tmp_path / "bad2", continue_from=str(whole / "nope")))
+
+    rest = train(
+        args_for(
+            tiny_base, tmp_path / "rest", steps=6, warmup_steps=2, continue_from=str(committed)
+        ),
+        progress=False,
+    )
+    log = [json.loads(x) for x in (rest / "train_log.jsonl").read_text().splitlines()]
+    full = [json.loads(x) for x in (whole / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    # Step 2 starts from the same weights on the same batch as the uninterrupted run...
+    assert log[1]["loss"] == pytest.approx(full[1]["loss"], rel=1e-5)
+    # ...with fresh optimizer moments under a warm-up, then the run's schedule.
+    assert log[1]["lr"] == pytest.approx(full[1]["lr"] / 2)
+    assert log[3]["lr"] == pytest.approx(full[3]["lr"])
+    state = json.loads((rest / "train_state.json").read_text())
+    assert (state["step"], state["examples_seen"], state["distinct_examples"]) == (6, 12, 12)
+    assert [(x["from"], x["to"]) for x in state["segments"]] == [(0, 1), (1, 6)]
+    assert state["train_examples"] == 16
 
 
 def test_cli_train_export_eval(tiny_base, tmp_path):

@@ -28,6 +28,30 @@ def _train_summary(adapter_dir: Path) -> tuple[dict, float | None]:
     return args, wall
 
 
+def _progress_section(adapter_dir: Path) -> str:
+    """What the run has trained on and the processes that trained it (``train_state.json``,
+    written by runs of this version; older adapters have only the wall time above)."""
+    path = adapter_dir / "train_state.json"
+    if not path.is_file():
+        return ""
+    state = json.loads(path.read_text())
+    done = "" if state["step"] >= state["steps"] else f" (unfinished: {state['steps']} planned)"
+    rows = "\n".join(
+        f"| {x['from']}-{x['to']} | {x['tokens']:,} | {x['seconds'] / 60:.0f} min | "
+        f"{x['tokens'] / max(x['seconds'], 1e-9):.0f} | {x['trained_on']} |"
+        for x in state.get("segments", [])
+    )
+    return f"""
+## Training data and time
+
+{state["step"]} steps{done}: {state["examples_seen"]:,} examples seen, {state["distinct_examples"]:,} distinct of the training file's {state["train_examples"]:,} (prompts covered: {state["distinct_prompts"]:,} of {state["train_prompts"]:,}).
+
+| steps | tokens | wall time | tokens/s | machine |
+|---|---|---|---|---|
+{rows}
+"""
+
+
 def _identity_line(result: dict) -> str:
     """Whether chain and tree decoding agreed (a chain-only eval has nothing to compare)."""
     if result["tokens_per_step"].get("tree") is None:
@@ -138,7 +162,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
 | learning rates | {_learning_rates(args)} |
 {_serving_default(adapter_dir)}| wall time | {wall_text} of training (sum over resumed runs) on {args.get("trained_on") or describe_machine()} |
-{"" if not note else chr(10) + note + chr(10)}
+{"" if not note else chr(10) + note + chr(10)}{_progress_section(adapter_dir)}
 ## Measured on {_measured_on(result)} ({result["num_prompts"]} prompts, greedy)
 
 | metric | value |

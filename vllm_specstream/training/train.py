@@ -36,6 +36,31 @@ FROZEN_PREFIX_FILE = "frozen_prefix.pt"
 OBJECTIVES = ("specstream", "ntp", "medusa", "streams-only", "prune")
 #: Objectives that train streams (stream embeddings, their adapters).
 STREAM_OBJECTIVES = ("specstream", "streams-only")
+#: How far a run got, written beside its adapter: the step reached of the run's ``steps``,
+#: where it last continued (``continue_from``), and the data it has seen so far.
+PROGRESS_FILE = "train_state.json"
+#: Settings a run continued from a committed adapter must share with it: the data order and
+#: the learning-rate schedule both follow from them.
+CHAIN_FIELDS = (
+    "objective",
+    "task",
+    "val_fraction",
+    "split_seed",
+    "sql_rename_copies",
+    "sql_rename_rate",
+    "spec",
+    "lora",
+    "steps",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "lora_lr",
+    "stream_lr",
+    "warmup_steps",
+    "max_length",
+    "num_train",
+    "seed",
+)
 
 
 @dataclass
@@ -118,6 +143,16 @@ class TrainArgs:
     save_every: int = 50
     eval_every: int = 100
     seed: int = 0
+    max_minutes: float | None = None
+    """Stop after the first step past this many minutes of training, writing the adapter as
+    it stands and ``train_state.json`` (the step reached); the same command continues from
+    ``out/checkpoint``, and ``continue_from`` continues from the adapter alone."""
+    continue_from: str | None = None
+    """The adapter of an unfinished run (``max_minutes``) with the same settings
+    (:data:`CHAIN_FIELDS`) and data: training continues at its step, with the data order and
+    learning-rate schedule of the whole run, so no example is seen twice before all have
+    been. The optimizer's moments are not part of an adapter: they start again, under a
+    warm-up of ``warmup_steps``."""
     pack: bool = True
     """Lay each batch's examples end to end in rows of up to ``max_length`` tokens instead of
     padding them (same loss; objectives specstream and ntp)."""
@@ -299,12 +334,21 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
 
 
 def train_step(
-    job, optimizer, base_lrs: list[float], make_batch, num_examples: int, args, step: int, autocast
+    job,
+    optimizer,
+    base_lrs: list[float],
+    make_batch,
+    num_examples: int,
+    args,
+    step: int,
+    autocast,
+    continued_at: int = 0,
 ) -> tuple[dict[str, float], int]:
     """One optimizer step (``grad_accum`` micro-batches); returns its metrics and the number
     of real (non-padding) tokens it trained on."""
+    factor = lr_factor(step, args.warmup_steps, args.steps, continued_at)
     for g, base_lr in zip(optimizer.param_groups, base_lrs):
-        g["lr"] = base_lr * lr_factor(step, args.warmup_steps, args.steps)
+        g["lr"] = base_lr * factor
     totals: dict[str, float] = {}
     tokens = 0
     for micro in range(args.grad_accum):
@@ -324,25 +368,44 @@ def train_step(
     return totals, tokens
 
 
+def epoch_order(num_examples: int, epoch: int, seed: int) -> list[int]:
+    """The order in which epoch ``epoch`` visits the examples (a permutation fixed by
+    ``seed``): every example once before any repeats."""
+    perm = list(range(num_examples))
+    random.Random(seed * 100_003 + epoch).shuffle(perm)
+    return perm
+
+
 def batch_indices(num_examples: int, batch_size: int, micro_step: int, seed: int) -> list[int]:
-    """Examples of micro-batch ``micro_step``: a fresh permutation per epoch, fixed by ``seed``,
-    so a resumed run sees exactly the batches an uninterrupted one would."""
+    """Examples of micro-batch ``micro_step`` (:func:`epoch_order`), so a resumed or continued
+    run sees exactly the batches an uninterrupted one would."""
     start = micro_step * batch_size
     out = []
     while len(out) < batch_size:
         epoch, offset = divmod(start + len(out), num_examples)
-        perm = list(range(num_examples))
-        random.Random(seed * 100_003 + epoch).shuffle(perm)
-        out.extend(perm[offset : offset + batch_size - len(out)])
+        out.extend(epoch_order(num_examples, epoch, seed)[offset : offset + batch_size - len(out)])
     return out
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10%."""
+def seen_examples(num_examples: int, batch_size: int, micro_steps: int, seed: int) -> set[int]:
+    """Indices of the examples the first ``micro_steps`` micro-batches trained on."""
+    epochs, offset = divmod(micro_steps * batch_size, num_examples)
+    if epochs:
+        return set(range(num_examples))
+    return set(epoch_order(num_examples, 0, seed)[:offset])
+
+
+def lr_factor(step: int, warmup: int, total: int, continued_at: int = 0) -> float:
+    """Linear warm-up, then cosine decay to 10% of the run's ``total`` steps; a run continued
+    at ``continued_at`` (fresh optimizer moments) warms up again over ``warmup`` steps."""
     if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        factor = (step + 1) / warmup
+    else:
+        progress = (step - warmup) / max(1, total - warmup)
+        factor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    if continued_at and step - continued_at < warmup:
+        factor *= (step - continued_at + 1) / warmup
+    return factor
 
 
 class SpecStreamJob:
@@ -552,12 +615,13 @@ def evaluate(job, encoded: list[dict], args: TrainArgs, autocast) -> dict[str, f
     return {f"eval_{k}": v / max(1, batches) for k, v in sums.items()}
 
 
-def _save_checkpoint(job, optimizer, step: int, out: Path) -> None:
+def _save_checkpoint(job, optimizer, step: int, out: Path, continued_at: int = 0) -> None:
     """Trainable weights + optimizer state in ``out/checkpoint`` (written aside, then swapped in)."""
     tmp = out / (CHECKPOINT_DIR + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     job.save(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict()}, tmp / STATE_FILE)
+    state = {"step": step, "continued_at": continued_at, "optimizer": optimizer.state_dict()}
+    torch.save(state, tmp / STATE_FILE)
     final = out / CHECKPOINT_DIR
     old = out / (CHECKPOINT_DIR + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -567,21 +631,106 @@ def _save_checkpoint(job, optimizer, step: int, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _resume(job, optimizer, out: Path) -> int:
-    """Load ``out/checkpoint`` if present; return the step to continue from."""
+def _resume(job, optimizer, out: Path) -> tuple[int, int]:
+    """Load ``out/checkpoint`` if present; return the step to continue from and the step at
+    which the run last continued from an adapter (0: never)."""
     ckpt = out / CHECKPOINT_DIR
     if not (ckpt / STATE_FILE).is_file():
-        return 0
+        return 0, 0
     job.load_trainable(ckpt)
     # Optimizer state follows its parameters' device (a run may resume on another one).
     state = torch.load(ckpt / STATE_FILE, weights_only=False, map_location="cpu")
     optimizer.load_state_dict(state["optimizer"])
-    log = out / LOG_FILE
-    if log.is_file():  # steps after the checkpoint will run again: drop their records
-        kept = [x for x in log.read_text().splitlines() if json.loads(x)["step"] <= state["step"]]
-        log.write_text("".join(x + "\n" for x in kept))
+    _keep_log(out / LOG_FILE, state["step"])
     logger.info("Resuming from %s at step %d", ckpt, state["step"])
-    return int(state["step"])
+    return int(state["step"]), int(state.get("continued_at", 0))
+
+
+def _keep_log(log: Path, step: int) -> None:
+    """Drop the records of steps after ``step`` (they will run again)."""
+    if log.is_file():
+        kept = [x for x in log.read_text().splitlines() if json.loads(x)["step"] <= step]
+        log.write_text("".join(x + "\n" for x in kept))
+
+
+def _continue_chain(job, args: TrainArgs, num_examples: int) -> int:
+    """Load the unfinished run's adapter ``args.continue_from`` after checking that it was
+    trained with this run's settings and data; copy its log; return its step."""
+    src = Path(args.continue_from)
+    flag = f"--continue-from {src}"
+    try:
+        progress = json.loads((src / PROGRESS_FILE).read_text())
+        before = json.loads((src / "train_args.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{flag}: not the adapter of an unfinished run ({e}); it must hold "
+            f"{PROGRESS_FILE} and train_args.json as `specstream train --max-minutes` writes them"
+        ) from None
+    now = json.loads(json.dumps(asdict(args), default=str))
+    for settings in (before, now):  # the base may lie elsewhere on another machine
+        (settings.get("spec") or {}).pop("base_model", None)
+    for name in CHAIN_FIELDS:
+        if before.get(name) != now.get(name):
+            raise ConfigError(
+                f"{flag}: it was trained with {name}={before.get(name)!r}, this run has "
+                f"{now.get(name)!r}; continue with the adapter's settings (its train_args.json)"
+            )
+    if progress["train_examples"] != num_examples:
+        raise ConfigError(
+            f"{flag}: it trained on {progress['train_examples']} examples of "
+            f"{before.get('data')}, --data {args.data} gives {num_examples}; continue on the "
+            "same file"
+        )
+    step = int(progress["step"])
+    if step >= args.steps:
+        raise ConfigError(f"{flag}: it is finished ({step} of {args.steps} steps)")
+    job.load_trainable(src)
+    log = Path(args.out) / LOG_FILE
+    if (src / LOG_FILE).is_file():
+        log.write_text((src / LOG_FILE).read_text())
+        _keep_log(log, step)
+    logger.info("Continuing %s at step %d of %d", src, step, args.steps)
+    return step
+
+
+def _earlier_segments(args: TrainArgs, start: int) -> list[dict]:
+    """The processes that trained this run's steps before ``start`` (from ``out``'s progress
+    file, or that of the adapter it continues)."""
+    for src in (Path(args.out), Path(args.continue_from or args.out)):
+        try:
+            segments = json.loads((src / PROGRESS_FILE).read_text())["segments"]
+        except (OSError, ValueError, KeyError):
+            continue
+        return [x for x in segments if x["to"] <= start]
+    return []
+
+
+def _write_progress(
+    out: Path,
+    args: TrainArgs,
+    step: int,
+    continued_at: int,
+    prompts: list[str],
+    segments: list[dict],
+) -> dict:
+    """``train_state.json``: how far the run got, what it has trained on (an example is a
+    prompt and one reference: E2E has several references per meaning representation) and
+    the processes that trained it (steps, tokens, seconds, machine)."""
+    micro = step * args.grad_accum
+    seen = seen_examples(len(prompts), args.batch_size, micro, args.seed)
+    progress = {
+        "step": step,
+        "steps": args.steps,
+        "continued_at": continued_at,
+        "examples_seen": micro * args.batch_size,
+        "train_examples": len(prompts),
+        "distinct_examples": len(seen),
+        "distinct_prompts": len({prompts[i] for i in seen}),
+        "train_prompts": len(set(prompts)),
+        "segments": segments,
+    }
+    (out / PROGRESS_FILE).write_text(json.dumps(progress, indent=2) + "\n")
+    return progress
 
 
 def train(args: TrainArgs, progress: bool = True) -> Path:
@@ -604,10 +753,10 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
         else nullcontext
     )
     tokenizer = AutoTokenizer.from_pretrained(args.base)
-    train_set = [
-        encode_example(tokenizer, e, args.max_length)
-        for e in load_examples(args, "train", args.num_train)
-    ]
+    examples = load_examples(args, "train", args.num_train)
+    train_set = [encode_example(tokenizer, e, args.max_length) for e in examples]
+    prompts = [json.dumps(e.messages) for e in examples]
+    del examples
     eval_set = [
         encode_example(tokenizer, e, args.max_length)
         for e in load_examples(args, "test", args.num_eval)
@@ -619,7 +768,10 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     job.model.train()
     optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
     base_lrs = [g["lr"] for g in optimizer.param_groups]
-    start = _resume(job, optimizer, out)
+    start, continued_at = _resume(job, optimizer, out)
+    if start == 0 and args.continue_from:
+        start = continued_at = _continue_chain(job, args, len(train_set))
+    segments = _earlier_segments(args, start)
     if start >= args.steps:  # e.g. a script run again: never relabel a longer run's state
         logger.info("%s is trained to step %d >= --steps %d: nothing to do", out, start, args.steps)
         return out
@@ -627,7 +779,8 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     if start == 0:
         first = [train_set[i] for i in batch_indices(len(train_set), args.batch_size, 0, args.seed)]
         job.calibrate(to_device(collate(first), device))
-    record = {**asdict(args), "trained_on": describe_device(device)}
+    machine = describe_device(device)
+    record = {**asdict(args), "trained_on": machine}
     (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     n_trainable = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     logger.info(
@@ -649,10 +802,19 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     log = open(out / LOG_FILE, "a")  # noqa: SIM115 (one handle for the whole run)
     started = time.monotonic()
     run_tokens = 0
+    step = start
     try:
         for step in range(start, args.steps):
             totals, tokens = train_step(
-                job, optimizer, base_lrs, make_batch, len(train_set), args, step, autocast
+                job,
+                optimizer,
+                base_lrs,
+                make_batch,
+                len(train_set),
+                args,
+                step,
+                autocast,
+                continued_at,
             )
             record = {
                 "step": step + 1,
@@ -677,13 +839,42 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
             postfix = {k: f"{v:.3f}" for k, v in totals.items() if k in shown}
             postfix["tok/s"] = f"{run_tokens / max(1e-9, time.monotonic() - started):.0f}"
             bar.set_postfix(postfix)
+            out_of_time = (
+                args.max_minutes is not None and time.monotonic() - started >= 60 * args.max_minutes
+            )
+            if out_of_time:
+                break
             if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                _save_checkpoint(job, optimizer, step + 1, out)
+                _save_checkpoint(job, optimizer, step + 1, out, continued_at)
     finally:
         bar.close()
         log.close()
+    done = step + 1
     job.save(out)
-    _save_checkpoint(job, optimizer, args.steps, out)
+    _save_checkpoint(job, optimizer, done, out, continued_at)
+    segments.append(
+        {
+            "from": start,
+            "to": done,
+            "tokens": run_tokens,
+            "seconds": round(time.monotonic() - started, 1),
+            "trained_on": machine,
+        }
+    )
+    reached = _write_progress(out, args, done, continued_at, prompts, segments)
+    if done < args.steps:
+        logger.info(
+            "Stopped after --max-minutes %g at step %d of %d (%d examples seen, %d distinct): "
+            "the adapter in %s is usable as it stands; run the same command to continue, or "
+            "--continue-from that adapter (the same settings) to continue elsewhere",
+            args.max_minutes,
+            done,
+            args.steps,
+            reached["examples_seen"],
+            reached["distinct_examples"],
+            out,
+        )
+        return out
     (out / FROZEN_PREFIX_FILE).unlink(missing_ok=True)  # only a resumed run needs it
     logger.info("Adapter saved to %s (%.0f s)", out, time.monotonic() - started)
     return out
