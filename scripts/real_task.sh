@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Trains, on one real task, the three models that share data and budget: the specstream
-# adapter, the next-token (ntp) LoRA baseline and Medusa heads (on the merged specstream
-# checkpoint, the model they would serve); merges and evaluates them on the task file's
-# held-out validation split (cut by group, seed 0) and writes the adapter's model card.
-#   bash scripts/real_task.sh sql|e2e|dialogsum DATA_FILE [RUNS_DIR] [STEPS]
+# Trains, on one real task's training file, the models that share its data and budget: the
+# specstream adapter (the paper's joint objective), the next-token (ntp) LoRA baseline and
+# Medusa heads (on the merged specstream checkpoint, the model they would serve); merges and
+# evaluates them on the development file (never trained on) and writes the adapter's model
+# card.
+#   bash scripts/real_task.sh sql|e2e|dialogsum TRAIN_FILE DEV_FILE [RUNS_DIR] [STEPS]
+# STEPS (batch 8) defaults to the task's budget: one pass over distinct examples before any
+# repeats (e2e 2000 steps: 16,000 of 42,061 references; sql 875: all 7,000 questions;
+# dialogsum 1000: 8,000 of 12,460 dialogues).
 # Resumable: run it again and every run continues from its last checkpoint; finished
-# exports and evaluations are kept. OBJECTIVES="specstream ntp" limits the runs;
+# exports and evaluations are kept. MAX_MINUTES=M stops each training run after M minutes
+# with a usable adapter (`specstream train --max-minutes`); CHAIN=DIR continues runs from the
+# unfinished adapters DIR/TASK-OBJECTIVE (e.g. committed ones) where their data and schedule
+# left off (`--continue-from`). OBJECTIVES="specstream ntp" limits the runs;
+# OBJECTIVES=two-stage trains streams alone on the ntp baseline merged (frozen), on its own
+# greedy replies (written with vLLM, cached in the run directory): the second stage of the
+# two-stage objective, whose first stage is the ntp run.
 # OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
 # OBJECTIVES=self-distill continues the trained specstream adapter on its own greedy replies
 # (written with vLLM by the adapter merged; SD_STEPS steps, default 200, small LoRA learning
@@ -18,41 +28,57 @@
 # (`--sql-rename-copies`; SQL_RENAME_RATE sets `--sql-rename-rate`, else train's default) to
 # every model's training data.
 # SPECSTREAM_BIN names the directory of the `specstream` and `python` to use.
-# DRAFT_VOCAB_SIZE=N gives the adapter a draft vocabulary of N tokens from the training split
+# DRAFT_VOCAB_SIZE=N gives the adapter a draft vocabulary of N tokens from the training file
 # (`specstream draft-vocab`) before it is merged; 0 (the default) keeps the whole vocabulary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+usage="usage: $0 sql|e2e|dialogsum TRAIN_FILE DEV_FILE [RUNS_DIR] [STEPS]"
+[ $# -ge 3 ] || { echo "$usage" >&2; exit 2; }
 TASK=$1
 DATA=$2
-RUNS=${3:-runs}
-STEPS=${4:-600}
+DEV=$3
+RUNS=${4:-runs}
 BIN=${SPECSTREAM_BIN:-.venv/bin}
 EVAL_HERE=${SPECSTREAM_EVAL:-1}
 case "$TASK" in
-    sql) MSA=8; MAXLEN=512 ;;          # N_s/N ~ 1/4 (the demo adapter's setting)
-    e2e) MSA=15; MAXLEN=192 ;;         # N_s/N = 1/2, as the paper for text tasks
-    dialogsum) MSA=15; MAXLEN=768 ;;
-    *) echo "usage: $0 sql|e2e|dialogsum DATA_FILE [RUNS_DIR] [STEPS]" >&2; exit 2 ;;
+    sql) MSA=8; MAXLEN=512; BUDGET=875 ;;          # N_s/N ~ 1/4 (the demo adapter's setting)
+    e2e) MSA=15; MAXLEN=192; BUDGET=2000 ;;        # N_s/N = 1/2, as the paper for text tasks
+    dialogsum) MSA=15; MAXLEN=768; BUDGET=1000 ;;
+    *) echo "$usage" >&2; exit 2 ;;
 esac
+STEPS=${5:-$BUDGET}
+for f in "$DATA" "$DEV"; do [ -f "$f" ] || { echo "$0: no such file: $f" >&2; exit 2; }; done
 RUN=()
 if [ -n "${SPECSTREAM_TRAIN_CORE:-}" ]; then
     export OMP_NUM_THREADS=1
     RUN=(taskset -c "$SPECSTREAM_TRAIN_CORE")
 fi
-COMMON=(--task "$TASK" --data "$DATA" --num-streams 4 --num-msa-layers "$MSA" --lora-rank 32
-    --lora-layers msa --batch-size 8 --lr 5e-4 --max-length "$MAXLEN" --steps "$STEPS"
-    --eval-every 100 --save-every 20 --num-eval 48)
+COMMON=(--task "$TASK" --data "$DATA" --eval-data "$DEV" --val-fraction 0 --num-streams 4
+    --num-msa-layers "$MSA" --lora-rank 32 --lora-layers msa --batch-size 8 --lr 5e-4
+    --max-length "$MAXLEN" --steps "$STEPS" --eval-every 250 --save-every 25 --num-eval 64)
+[ -n "${MAX_MINUTES:-}" ] && COMMON+=(--max-minutes "$MAX_MINUTES")
 [ -n "${SPECSTREAM_DEVICE:-}" ] && COMMON+=(--device "$SPECSTREAM_DEVICE")
 [ -n "${SPECSTREAM_DTYPE:-}" ] && COMMON+=(--dtype "$SPECSTREAM_DTYPE")
 [ "${SQL_RENAME_COPIES:-0}" != 0 ] &&
     COMMON+=(--sql-rename-copies "$SQL_RENAME_COPIES" ${SQL_RENAME_RATE:+--sql-rename-rate "$SQL_RENAME_RATE"})
 OBJECTIVES=${OBJECTIVES:-specstream ntp medusa}
 R="$RUNS/$TASK"
-EVAL=(--task "$TASK" --data "$DATA" --split val)
+EVAL=(--task "$TASK" --data "$DEV" --split all)
 has() { [[ " $OBJECTIVES " == *" $1 "* ]]; }
+# --continue-from for run $1 where CHAIN holds its unfinished adapter and the run has not
+# started here yet.
+chain() {
+    local from="${CHAIN:-}/$TASK-$1"
+    if [ -n "${CHAIN:-}" ] && [ -f "$from/train_state.json" ] && [ ! -d "$R-$1/checkpoint" ]; then
+        echo --continue-from "$from"
+    fi
+}
+# A run's adapter is final once its train_state.json says it reached its planned steps.
+finished() { "$BIN/python" -c "import json,sys; s=json.load(open(sys.argv[1])); sys.exit(s['step'] < s['steps'])" "$1/train_state.json" 2>/dev/null; }
 if has specstream; then
     "${RUN[@]}" $BIN/specstream train --out "$R-specstream" --objective specstream "${COMMON[@]}" \
-        --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2
+        --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2 $(chain specstream)
+    finished "$R-specstream" || { echo "$R-specstream: unfinished (MAX_MINUTES); run again to continue"; exit 0; }
     if [ "${DRAFT_VOCAB_SIZE:-0}" != 0 ] && [ ! -f "$R-specstream-merged/config.json" ]; then
         $BIN/specstream draft-vocab "$R-specstream" --task "$TASK" --data "$DATA" \
             --size "$DRAFT_VOCAB_SIZE"
@@ -63,7 +89,8 @@ if has specstream; then
         --checkpoint "$R-specstream-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-specstream-eval.json"
 fi
 if has ntp; then
-    "${RUN[@]}" $BIN/specstream train --out "$R-ntp" --objective ntp "${COMMON[@]}"
+    "${RUN[@]}" $BIN/specstream train --out "$R-ntp" --objective ntp "${COMMON[@]}" $(chain ntp)
+    finished "$R-ntp" || { echo "$R-ntp: unfinished (MAX_MINUTES); run again to continue"; exit 0; }
     [ -f "$R-ntp-merged/config.json" ] || $BIN/specstream export "$R-ntp" "$R-ntp-merged" --merge
     # The baseline has no trained streams: only its task metric matters (chain only).
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
@@ -79,7 +106,21 @@ if [ -s "$R-specstream-eval.json" ]; then
     [ -s "$R-ntp-eval.json" ] && baseline=(--baseline "$R-ntp-eval.json")
     $BIN/python -m vllm_specstream.training.model_card "$R-specstream" \
         --eval "$R-specstream-eval.json" "${baseline[@]}" \
-        --command "bash scripts/real_task.sh $TASK $DATA RUNS $STEPS"
+        --command "bash scripts/real_task.sh $TASK $DATA $DEV RUNS $STEPS"
+fi
+
+# The two-stage objective's second stage: streams (and a stream-row LoRA) on the ntp baseline
+# merged and frozen, learning its own greedy replies; served, its outputs are the baseline's.
+if has two-stage; then
+    [ -f "$R-ntp-merged/config.json" ] || { echo "two-stage needs the ntp run first" >&2; exit 2; }
+    "${RUN[@]}" $BIN/specstream train --out "$R-two-stage" --objective streams-only \
+        --base "$R-ntp-merged" "${COMMON[@]}" --init-rank 32 --stream-init-scale 0.5 \
+        --stream-lr 2e-2 $(chain two-stage)
+    finished "$R-two-stage" || { echo "$R-two-stage: unfinished (MAX_MINUTES); run again to continue"; exit 0; }
+    [ -f "$R-two-stage-merged/config.json" ] ||
+        $BIN/specstream export "$R-two-stage" "$R-two-stage-merged" --merge
+    [ "$EVAL_HERE" = 0 ] || [ -s "$R-two-stage-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+        --checkpoint "$R-two-stage-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-two-stage-eval.json"
 fi
 
 if has self-distill; then
