@@ -158,3 +158,62 @@ def test_replies_replace_completions_once_per_prompt(tmp_path):
     path.write_text('{"completion": "no prompt"}\n')
     with pytest.raises(ValueError, match=r"self_distill.jsonl:1.*messages"):
         read_replies(path)
+
+
+def test_two_stage_streams_on_a_merged_fine_tune_learn_as_on_its_adapter(base_dir, tmp_path):
+    """The two-stage objective's second stage: streams on the next-token adapter merged into
+    its base (a checkpoint `specstream export` wrote, loaded as --base) have the loss and
+    gradients of the same streams on the unmerged adapter with its LoRA frozen; the cached
+    frozen prefix gives them too."""
+    from peft import set_peft_model_state_dict
+
+    from vllm_specstream.training.checkpoint import PEFT_WEIGHTS_FILE, LoraSettings
+    from vllm_specstream.training.fast_batches import pack_batch, prefix_hidden
+
+    torch.manual_seed(0)
+    lora = LoraSettings(rank=4, layers="all", target_modules=["q_proj", "v_proj", "down_proj"])
+    ntp = build_model(base_dir, SpecStreamConfig(num_streams=3, num_msa_layers=2), lora)
+    with torch.no_grad():  # as if trained: LoRA changes the model
+        for name, p in ntp.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    adapter = save_adapter(ntp, tmp_path / "ntp")
+    merged = export_merged(adapter, tmp_path / "ntp-merged", dtype=torch.float32)
+
+    two_stage = build_model(merged, SpecStreamConfig(**CONFIG), None, stream_init_std=0.5)
+    plain = build_model(base_dir, SpecStreamConfig(**CONFIG), lora, stream_init_std=0.5)
+    set_peft_model_state_dict(plain.lm, load_file(str(adapter / PEFT_WEIGHTS_FILE)))
+    for p in plain.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        for name, p in two_stage.stream_parameters().items():
+            p.add_(torch.randn_like(p) * 0.1)  # the stream LoRA's B away from zero
+            plain.get_parameter(name).copy_(p)
+            plain.get_parameter(name).requires_grad_(True)
+
+    ids = torch.randint(3, 128, (3, 10))
+    batch = batch_of(ids)
+
+    def loss_and_grads(model, b):
+        model.zero_grad()
+        loss, _ = specstream_loss(model, b, "streams-only")
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.stream_parameters().items()}
+
+    want_loss, want_grads = loss_and_grads(plain, batch)
+    loss, grads = loss_and_grads(two_stage, batch)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+    with torch.no_grad():  # the main stream is the fine-tune's, not the base's
+        fine_tuned = two_stage.lm_head(two_stage(ids).main_hidden)
+        assert not torch.allclose(fine_tuned, load_base_lm(base_dir)(ids).logits, atol=1e-3)
+
+    encoded = [{"input_ids": r.tolist(), "labels_mask": [False] * 4 + [True] * 6} for r in ids]
+    start = two_stage.first_msa_layer
+    cached = prefix_hidden(two_stage, encoded, start, batch_size=2)
+    packed = pack_batch(encoded, 64, 3, cached, start).as_dict()
+    loss, grads = loss_and_grads(two_stage, packed)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
