@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv/ with this machine's python and installs vllm-specstream[cpu,train,ray,dev],
-# then applies the CPU recipe (SPEC section 4). Idempotent: a second run takes seconds.
+# then removes the CUDA builds of torchvision/torchaudio that break imports against CPU torch. Idempotent: a second run takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

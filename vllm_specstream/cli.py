@@ -461,7 +461,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 _TASK_HELP = (
     "sql, e2e, dialogsum: the paper's tasks, read from --data FILE in their public format "
-    "(SPEC section 6; sql without --data: a synthetic generator); code, text: synthetic builders"
+    "(docs/training.md, \"Tasks\"; sql without --data: a synthetic generator); code, text: synthetic builders"
 )
 _DATA_HELP = (
     "a file in the task's public format: sql: JSON list or JSONL of context, question, answer "
@@ -500,7 +500,7 @@ def _add_training_parsers(sub) -> None:
     p = sub.add_parser(
         "train",
         help="fine-tune LoRA + stream embeddings (or plain LoRA) on a task",
-        description="Train an adapter checkpoint (SPEC section 3) with the multi-stream objective "
+        description="Train an adapter checkpoint (docs/checkpoint-format.md) with the multi-stream objective "
         "(paper eq. 5) or plain next-token loss. Saves every --save-every steps to OUT/checkpoint "
         "and resumes from there when run again with the same --out.",
         formatter_class=defaults,

@@ -102,7 +102,7 @@ class LossConfig:
 
 @dataclass
 class SpecStreamConfig:
-    """How the speculative streams are built (SPEC section 2).
+    """How the speculative streams are built (docs/method.md).
 
     Example::
 

@@ -1,4 +1,4 @@
-"""One multi-stream-attention layer for the stream states, written once (SPEC section 2).
+"""One multi-stream-attention layer for the stream states, written once (docs/method.md).
 
 Training (``training/model.py``, HF modules, dense main keys/values) and serving
 (``model_executor/``, vLLM's modules or prepacked copies, the paged KV cache) run the

@@ -1,4 +1,4 @@
-"""The stream math of Speculative Streaming (SPEC section 2), in pure PyTorch.
+"""The stream math of Speculative Streaming (docs/method.md), in pure PyTorch.
 
 Training (``training/``) and inference (``model_executor/``) both import this module; they
 differ only in where the main stream's keys/values come from (a dense tensor in training,

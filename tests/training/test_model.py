@@ -1,4 +1,4 @@
-"""The multi-stream wrapper: main stream == HF model, streams see only what SPEC section 2 allows."""
+"""The multi-stream wrapper: main stream == HF model, streams see only what docs/method.md allows."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Adapter and merged checkpoints (SPEC section 3): build, save, load with checks, merge.
+"""Adapter and merged checkpoints (docs/checkpoint-format.md): build, save, load with checks, merge.
 
 Adapter checkpoint (what ``specstream train`` writes)::
 

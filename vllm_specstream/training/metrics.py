@@ -1,4 +1,4 @@
-"""Task metrics (SPEC section 6): SQL exact match, ROUGE-1/ROUGE-Lsum, and the synthetic tasks'
+"""Task metrics (docs/training.md, "Tasks"): SQL exact match, ROUGE-1/ROUGE-Lsum, and the synthetic tasks'
 ROUGE-L; every one scores a prediction against its best reference.
 
 ``sqlglot`` and ``rouge-score`` (the ``train`` extra) are imported when first used.
@@ -112,7 +112,7 @@ def rouge_scores(prediction: str, references: Sequence[str]) -> dict[str, float]
 def task_metrics(
     task: str, predictions: Sequence[str], references: Sequence[Sequence[str]]
 ) -> dict[str, float]:
-    """The SPEC section 6 metrics of ``task``, in percent, averaged over cases; each case
+    """The metrics (docs/training.md) of ``task``, in percent, averaged over cases; each case
     scores its prediction against its best reference.
 
     ``sql``: ``exact_match`` (:func:`sql_exact_match` with any reference); ``e2e`` and

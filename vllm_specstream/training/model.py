@@ -1,4 +1,4 @@
-"""Multi-stream wrapper over a Hugging Face Llama-family causal LM (SPEC section 2).
+"""Multi-stream wrapper over a Hugging Face Llama-family causal LM (docs/method.md).
 
 One forward computes the main stream (the unchanged decoder) for every position and the
 ``num_streams`` speculative streams at chosen anchor positions. The streams enter at layer

@@ -1,4 +1,4 @@
-"""Loaders for the public task formats (SPEC section 6): sql-create-context/Spider, E2E, DialogSum.
+"""Loaders for the public task formats (docs/training.md, "Tasks"): sql-create-context/Spider, E2E, DialogSum.
 
 A file is read as rows (CSV by its ``.csv`` suffix, else a JSON list or JSONL, told apart by
 the first character), then each task turns rows into :class:`TaskRecord` s: one prompt with
@@ -42,7 +42,7 @@ class TaskRecord:
     task: str
     """``sql``, ``e2e`` or ``dialogsum``."""
     prompt: str
-    """The user message, in the SPEC section 6 format of ``task``."""
+    """The user message, in the format (docs/training.md) of ``task``."""
     references: tuple[str, ...]
     """Gold replies: one for SQL and DialogSum train files, several for E2E and test files."""
     group: str
