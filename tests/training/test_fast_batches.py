@@ -237,3 +237,27 @@ def test_the_cache_file_is_reused_only_for_the_same_examples(tmp_path):
     batch[0]["input_ids"][0] += 1  # another data set: computed again
     load_or_compute(path, cache_key("base", 3, encoded=batch), compute)
     assert len(calls) == 2
+
+
+def test_frozen_weights_cast_once_give_the_autocast_loss_and_gradients():
+    """bf16 training stores the frozen linear weights in bf16 once instead of autocast
+    casting them at every call: the same loss and gradients; a tied LM head gets its own
+    copy, so the embedding stays fp32."""
+    from vllm_specstream.training.train import cast_frozen_linears
+
+    model = lora_model([3, 4, 5])
+    lm = model.causal_lm
+    lm.lm_head.weight = lm.model.embed_tokens.weight  # tied, as SmolLM2's
+    batch = pack_batch(examples(5), 64, 3).as_dict()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss, _, want_grads = loss_and_grads(model, batch)
+    assert cast_frozen_linears(model, torch.bfloat16) > 0
+    assert lm.model.embed_tokens.weight.dtype == torch.float32
+    assert lm.lm_head.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, grads = loss_and_grads(model, batch)
+    assert loss == want_loss
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)

@@ -198,6 +198,25 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     raise ValueError(f"--dtype must be bf16, fp32 or auto, got {name!r}")
 
 
+def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen linear weight in ``dtype`` once, for training under autocast to it:
+    autocast keeps its casts of trainable weights only, so a frozen fp32 weight was cast
+    again at every call (the tied LM head, 28M values, once per stream per step). The
+    products are the same. A weight shared with an embedding (a tied LM head) gets its own
+    copy, so embeddings stay in full precision. Returns how many weights were cast."""
+    cast = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        for name in ("weight", "bias"):
+            param = getattr(module, name)
+            if param is None or param.requires_grad or param.dtype == dtype:
+                continue
+            setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
+            cast += 1
+    return cast
+
+
 def describe_device(device: torch.device) -> str:
     """The machine a run trains on, for its model card: the GPU's name, or the CPU's."""
     if device.type == "cuda":
@@ -764,6 +783,8 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     if not train_set:
         raise ValueError(f"no training examples (task={args.task!r}, data={args.data!r})")
     job = make_job(args)
+    if dtype == torch.bfloat16:
+        cast_frozen_linears(job.model, dtype)
     job.model.to(device)
     job.model.train()
     optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
@@ -778,7 +799,8 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     make_batch = batch_maker(job, args, train_set, autocast, progress)
     if start == 0:
         first = [train_set[i] for i in batch_indices(len(train_set), args.batch_size, 0, args.seed)]
-        job.calibrate(to_device(collate(first), device))
+        with autocast():  # the precision of the steps (frozen weights may be bf16)
+            job.calibrate(to_device(collate(first), device))
     machine = describe_device(device)
     record = {**asdict(args), "trained_on": machine}
     (out / "train_args.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
