@@ -461,7 +461,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 _TASK_HELP = (
     "sql, e2e, dialogsum: the paper's tasks, read from --data FILE in their public format "
-    "(docs/training.md, \"Tasks\"; sql without --data: a synthetic generator); code, text: synthetic builders"
+    '(docs/training.md, "Tasks"; sql without --data: a synthetic generator); code, text: synthetic builders'
 )
 _DATA_HELP = (
     "a file in the task's public format: sql: JSON list or JSONL of context, question, answer "

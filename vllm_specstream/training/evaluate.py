@@ -68,7 +68,9 @@ def eval_cases(
         examples = load_jsonl(prompts)[:n]
         return [EvalCase(e.messages, [e.completion]) for e in examples]
     if task not in TASKS:
-        raise ValueError(f"--task {task} needs --data FILE (its public format; see docs/training.md)")
+        raise ValueError(
+            f"--task {task} needs --data FILE (its public format; see docs/training.md)"
+        )
     records = build_task(task, "test", n=n, seed=seed)
     return [EvalCase(to_example(task, r).messages, [reference(task, r)]) for r in records]
 

@@ -157,7 +157,9 @@ def task_examples(
         return []
     task = task or "sql"
     if task not in TASKS:
-        raise ValueError(f"--task {task} needs --data FILE (its public format; see docs/training.md)")
+        raise ValueError(
+            f"--task {task} needs --data FILE (its public format; see docs/training.md)"
+        )
     return [to_example(task, r) for r in build_task(task, split, n=n, seed=seed)]
 
 
