@@ -73,12 +73,18 @@ chain() {
         echo --continue-from "$from"
     fi
 }
-# A run's adapter is final once its train_state.json says it reached its planned steps.
-finished() { "$BIN/python" -c "import json,sys; s=json.load(open(sys.argv[1])); sys.exit(s['step'] < s['steps'])" "$1/train_state.json" 2>/dev/null; }
+# A run's adapter is final once its train_state.json says it reached its planned steps;
+# until then (MAX_MINUTES) nothing after it runs.
+stop_unless_finished() {
+    "$BIN/python" -c "import json,sys; s=json.load(open(sys.argv[1])); sys.exit(s['step'] < s['steps'])" \
+        "$1/train_state.json" 2>/dev/null && return
+    echo "$1: unfinished (MAX_MINUTES); run again to continue"
+    exit 0
+}
 if has specstream; then
     "${RUN[@]}" $BIN/specstream train --out "$R-specstream" --objective specstream "${COMMON[@]}" \
         --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2 $(chain specstream)
-    finished "$R-specstream" || { echo "$R-specstream: unfinished (MAX_MINUTES); run again to continue"; exit 0; }
+    stop_unless_finished "$R-specstream"
     if [ "${DRAFT_VOCAB_SIZE:-0}" != 0 ] && [ ! -f "$R-specstream-merged/config.json" ]; then
         $BIN/specstream draft-vocab "$R-specstream" --task "$TASK" --data "$DATA" \
             --size "$DRAFT_VOCAB_SIZE"
@@ -90,7 +96,7 @@ if has specstream; then
 fi
 if has ntp; then
     "${RUN[@]}" $BIN/specstream train --out "$R-ntp" --objective ntp "${COMMON[@]}" $(chain ntp)
-    finished "$R-ntp" || { echo "$R-ntp: unfinished (MAX_MINUTES); run again to continue"; exit 0; }
+    stop_unless_finished "$R-ntp"
     [ -f "$R-ntp-merged/config.json" ] || $BIN/specstream export "$R-ntp" "$R-ntp-merged" --merge
     # The baseline has no trained streams: only its task metric matters (chain only).
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
@@ -116,7 +122,7 @@ if has two-stage; then
     "${RUN[@]}" $BIN/specstream train --out "$R-two-stage" --objective streams-only \
         --base "$R-ntp-merged" "${COMMON[@]}" --init-rank 32 --stream-init-scale 0.5 \
         --stream-lr 2e-2 $(chain two-stage)
-    finished "$R-two-stage" || { echo "$R-two-stage: unfinished (MAX_MINUTES); run again to continue"; exit 0; }
+    stop_unless_finished "$R-two-stage"
     [ -f "$R-two-stage-merged/config.json" ] ||
         $BIN/specstream export "$R-two-stage" "$R-two-stage-merged" --merge
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-two-stage-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \

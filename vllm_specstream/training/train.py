@@ -715,7 +715,8 @@ def _continue_chain(job, args: TrainArgs, num_examples: int) -> int:
 def _earlier_segments(args: TrainArgs, start: int) -> list[dict]:
     """The processes that trained this run's steps before ``start`` (from ``out``'s progress
     file, or that of the adapter it continues)."""
-    for src in (Path(args.out), Path(args.continue_from or args.out)):
+    sources = [Path(args.out)] + ([Path(args.continue_from)] if args.continue_from else [])
+    for src in sources:
         try:
             segments = json.loads((src / PROGRESS_FILE).read_text())["segments"]
         except (OSError, ValueError, KeyError):
@@ -759,7 +760,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from vllm_specstream.training.data import encode_example
+    from vllm_specstream.training.data import encode_example, prompt_key
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -774,7 +775,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     examples = load_examples(args, "train", args.num_train)
     train_set = [encode_example(tokenizer, e, args.max_length) for e in examples]
-    prompts = [json.dumps(e.messages) for e in examples]
+    prompts = [prompt_key(e.messages) for e in examples]
     del examples
     eval_set = [
         encode_example(tokenizer, e, args.max_length)
