@@ -51,7 +51,9 @@ def make_llm(ckpt: str, dtype: str, k: int, placement: str | None = None, **llm_
 
     kw = cpu_engine_kwargs(dtype=dtype)
     if k:
-        kw["speculative_config"] = speculative_config(k, placement=placement)
+        kw["speculative_config"] = speculative_config(k)
+        if placement:
+            kw["additional_config"] = {"specstream": {"placement": placement}}
     return LLM(model=ckpt, **kw, **llm_kwargs)
 
 

@@ -163,7 +163,7 @@ def main() -> None:
     wrap(sf.StreamRunner, "main_kv", "streams: KV gather")
     wrap(ss.SpecStreamLlamaForCausalLM, "compute_logits", "compute_logits (main + streams)")
     wrap(SpecStreamProposer, "propose", "proposer.propose")
-    # draft trees ($SPECSTREAM_TREE_TOP_K): node rows redone per layer, acceptance and KV
+    # draft trees (field tree_top_k): node rows redone per layer, acceptance and KV
     # moves, early-exit pruning
     from vllm_specstream.model_executor import tree_attention as ta
     from vllm_specstream.model_executor import tree_sampler as ts
@@ -214,11 +214,10 @@ def main() -> None:
     elif args.k:
         never = {"num_speculative_tokens_per_batch_size": [(1, 1 << 16, 0)]}
         kw["speculative_config"] = speculative_config(
-            args.k,
-            placement=args.placement,
-            adaptive=args.adaptive,
-            **(never if args.never_draft else {}),
+            args.k, adaptive=args.adaptive, **(never if args.never_draft else {})
         )
+        if args.placement:
+            kw["additional_config"] = {"specstream": {"placement": args.placement}}
     llm = LLM(model=args.ckpt, **kw)
     # Fixed lengths (ignore_eos) keep the batch full: the step cost is per batch size.
     params = SamplingParams(

@@ -1,7 +1,7 @@
 """Which draft to verify, step by step: the streams', or the suffix trees' (batch 1, greedy).
 
 Runs a specstream engine in this process with suffix trees kept beside the streams but never
-chosen (``$SPECSTREAM_SUFFIX_DRAFTS=inf``), so the streams draft every step, and records at
+chosen (field ``suffix_drafts: inf``), so the streams draft every step, and records at
 each proposer call both drafts and the suffix draft's score. Greedy decoding with
 speculation gives plain decoding's tokens, so each draft's accepted length is read off the
 final output afterwards. Prints, per rule, tokens per step, the share of steps that skip the
@@ -23,7 +23,6 @@ import os
 import statistics
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ["SPECSTREAM_SUFFIX_DRAFTS"] = "inf"
 
 THRESHOLDS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5)
 
@@ -119,6 +118,7 @@ def main() -> None:
     prompts = task_prompts_cycled(args.ckpt, args.task, args.data, args.split, args.n)
     kw = cpu_engine_kwargs(dtype="float32")
     kw["speculative_config"] = speculative_config(args.k)
+    kw["additional_config"] = {"specstream": {"suffix_drafts": "inf"}}
     llm = LLM(model=args.ckpt, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.generate(["Count from one to twenty."], params, use_tqdm=False)

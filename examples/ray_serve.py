@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint,
         num_replicas=args.replicas,
         num_speculative_tokens=args.k,
-        placement=args.placement,
+        specstream={"placement": args.placement} if args.placement else {},
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gib * 2**30),

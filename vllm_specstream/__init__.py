@@ -14,44 +14,41 @@ SUPPORTED_VLLM = ">=0.32.0,<0.33"
 #: The ``custom_class`` proposer that serves speculative-streaming drafts to vLLM.
 PROPOSER = "vllm_specstream.proposer.SpecStreamProposer"
 
-#: Proposers that pin where the streams run (``PROPOSER`` picks the faster on CPU).
-PLACEMENT_PROPOSERS = {
-    "window": "vllm_specstream.proposer.WindowSpecStreamProposer",
-    "accepted": "vllm_specstream.proposer.AcceptedSpecStreamProposer",
-}
-
 
 def speculative_config(
     num_speculative_tokens: int = 4,
-    placement: str | None = None,
     adaptive: bool = True,
     **options,
 ) -> dict:
     """The dict to pass as ``LLM(..., speculative_config=...)`` for a specstream checkpoint.
 
     ``num_speculative_tokens`` may be at most the checkpoint's ``num_streams``.
-    ``placement``: ``"window"`` (streams for every position of the verified window, inside
-    the forward: the paper's parallel design) or ``"accepted"`` (streams only at the last
-    accepted position, after rejection sampling); default: the faster on CPU.
     ``adaptive``: draft as many tokens as pay at each step, from the step cost measured on
     this CPU class and the acceptance seen so far (:mod:`vllm_specstream.policy`), or by
     ``num_speculative_tokens_per_batch_size`` in ``options`` (vLLM's batch-size schedule);
     False drafts ``num_speculative_tokens`` at every batch size. ``options`` are further
-    fields of vLLM's ``SpeculativeConfig``.
+    fields of vLLM's ``SpeculativeConfig``. The plugin's own fields (placement, draft
+    trees, ...) go to ``LLM(..., additional_config={"specstream": {...}})``
+    (:mod:`vllm_specstream.options`).
     """
-    if placement is not None and placement not in PLACEMENT_PROPOSERS:
+    from vllm_specstream.options import FIELDS, KEY
+
+    mine = sorted(set(options) & set(FIELDS))
+    if mine:
+        fields = {name: options[name] for name in mine}
         raise ValueError(
-            f"speculative_config(placement={placement!r}): choose one of "
-            f"{sorted(PLACEMENT_PROPOSERS)} or leave it out"
+            f"speculative_config({', '.join(mine)}=...): {', '.join(mine)} "
+            f"{'is a field' if len(mine) == 1 else 'are fields'} of the plugin, not of vLLM's "
+            f"speculative config: pass LLM(..., additional_config={{{KEY!r}: {fields!r}}})"
         )
     if not adaptive and "num_speculative_tokens_per_batch_size" not in options:
         options["num_speculative_tokens_per_batch_size"] = [(1, 1 << 16, num_speculative_tokens)]
     return {
         "method": "custom_class",
-        "model": PLACEMENT_PROPOSERS[placement] if placement else PROPOSER,
+        "model": PROPOSER,
         "num_speculative_tokens": num_speculative_tokens,
         **options,
     }
 
 
-__all__ = ["PLACEMENT_PROPOSERS", "PROPOSER", "SUPPORTED_VLLM", "__version__", "speculative_config"]
+__all__ = ["PROPOSER", "SUPPORTED_VLLM", "__version__", "speculative_config"]

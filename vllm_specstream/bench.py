@@ -46,7 +46,7 @@ logger = init_logger(__name__)
 #: early-exit adapter, chosen per step); ``specstream-tree-fixed`` drafts the whole tree at every
 #: step, never pruned, and ``specstream-tree-pruned`` too, pruned by the checkpoint's early-exit
 #: adapter (``tree_prune``). ``specstream-suffix`` is specstream with suffix-tree drafts beside
-#: the streams (``$SPECSTREAM_SUFFIX_DRAFTS``, :mod:`vllm_specstream.suffix_drafts`).
+#: the streams (field ``suffix_drafts``, :mod:`vllm_specstream.suffix_drafts`).
 #: ``plain-control`` is a second plain engine: its "speedup" is the run's noise floor
 #: (engines differ by a few percent from one start to the next on small VMs).
 METHODS = (
@@ -62,7 +62,7 @@ METHODS = (
     "specstream-tree-fixed",
     "specstream-tree-pruned",
 )
-#: Methods that draft trees (``$SPECSTREAM_TREE_TOP_K`` set in their engine).
+#: Methods that draft trees (field ``tree_top_k`` of their engine).
 TREE_METHODS = ("specstream-tree", "specstream-tree-fixed", "specstream-tree-pruned")
 #: Methods a bench runs only when named (``--methods``).
 ON_REQUEST = ("plain-control", "specstream-fixed", "specstream-suffix", *TREE_METHODS)
@@ -130,16 +130,19 @@ class BenchConfig:
     engine_options: dict = field(default_factory=dict)
     """Extra ``LLM(...)`` keyword arguments for every method."""
     specstream_options: dict = field(default_factory=dict)
-    """Extra ``speculative_config`` fields for the specstream method."""
+    """Extra ``speculative_config`` fields for the specstream methods."""
+    specstream_fields: dict = field(default_factory=dict)
+    """Fields of ``additional_config["specstream"]`` (:mod:`vllm_specstream.options`) for
+    every specstream method."""
     tree_top_k: str = "2"
-    """``$SPECSTREAM_TREE_TOP_K`` of the tree methods."""
+    """Field ``tree_top_k`` of the tree methods: one count, or one per stream (``2,2,1,1``)."""
     tree_nodes: int = 8
     """Draft tree nodes (its ``num_speculative_tokens``) of the tree methods."""
     tree_prune: str | None = None
-    """``$SPECSTREAM_TREE_PRUNE`` of ``specstream-tree-pruned`` and ``specstream-tree``
-    (None: the checkpoint's threshold)."""
+    """Field ``tree_prune`` of ``specstream-tree-pruned`` and ``specstream-tree`` (a
+    threshold or ``off``; None: the checkpoint's threshold)."""
     suffix_drafts: str = "on"
-    """``$SPECSTREAM_SUFFIX_DRAFTS`` of ``specstream-suffix`` (``on`` or a score threshold)."""
+    """Field ``suffix_drafts`` of ``specstream-suffix`` (``on`` or a score threshold)."""
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -159,6 +162,15 @@ class BenchConfig:
 
             if suffix_min_score_from(self.suffix_drafts) is None:
                 raise ValueError("--suffix-drafts: 'on' or a score threshold for specstream-suffix")
+        from vllm_specstream.config import ConfigError
+        from vllm_specstream.options import check_environment, check_fields
+
+        check_environment(os.environ)  # a retired variable: refused before any engine starts
+        try:  # every method's fields, checked here rather than in each child process
+            for method in self.methods:
+                check_fields(additional_config_for(method, self))
+        except (ConfigError, ValueError) as e:
+            raise ValueError(f"--tree-top-k, --tree-prune or --suffix-drafts: {e}") from None
         if self.medusa and not (Path(self.medusa) / "config.json").is_file():
             raise ValueError(f"--medusa {self.medusa}: no config.json (a Medusa checkpoint?)")
         if not (Path(self.checkpoint) / "config.json").is_file():
@@ -233,6 +245,28 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
     if method in ("specstream-tree-fixed", "specstream-tree-pruned"):
         return speculative_config(cfg.tree_nodes, **{**cfg.specstream_options, "adaptive": False})
     raise ValueError(method)
+
+
+def additional_config_for(method: str, cfg: BenchConfig) -> dict | None:
+    """vLLM ``additional_config`` of ``method``: the plugin's fields of a specstream method
+    (trees for the tree methods only, suffix drafts for ``specstream-suffix`` only, whatever
+    the checkpoint's default); None for the others."""
+    from vllm_specstream.options import KEY
+
+    if not method.startswith("specstream"):
+        return None
+    fields = dict(cfg.specstream_fields)
+    fields["suffix_drafts"] = cfg.suffix_drafts if method == "specstream-suffix" else "off"
+    if method not in TREE_METHODS:
+        fields.pop("tree_top_k", None)
+        fields.pop("tree_prune", None)
+    else:
+        ks = [int(k) for k in str(cfg.tree_top_k).split(",")]
+        fields["tree_top_k"] = ks[0] if len(ks) == 1 else ks
+        prune = "off" if method == "specstream-tree-fixed" else cfg.tree_prune
+        if prune is not None:
+            fields["tree_prune"] = prune if prune == "off" else float(prune)
+    return {KEY: fields}
 
 
 def extra_params(method: str, cfg: BenchConfig) -> int:
@@ -337,6 +371,9 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
     spec = speculative_config_for(method, cfg)
     if spec is not None:
         kw["speculative_config"] = spec
+    additional = additional_config_for(method, cfg)
+    if additional is not None:
+        kw["additional_config"] = additional
 
     def start_engine():
         engine = LLM(model=cfg.checkpoint, disable_log_stats=False, **kw)
@@ -400,7 +437,15 @@ def run_cells(method: str, cfg: BenchConfig, emit=print) -> dict:
                 }
             )
     llm.llm_engine.engine_core.shutdown()
-    return {"method": method, "spec_config": spec, "cells": cells}
+    return {
+        "method": method,
+        "spec_config": spec,
+        "additional_config": additional,
+        # The worker's binding as the engine started it (the plugin gives a speculating
+        # engine every core where vLLM's would leave it one thread: cpu_env).
+        "omp_threads_bind": os.environ.get(OMP_BIND, "auto"),
+        "cells": cells,
+    }
 
 
 def _child_main(payload: str) -> None:
@@ -419,22 +464,7 @@ def _emit(line: str) -> None:
 
 def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
     """The environment of ``method``'s child process (None: what every method shares)."""
-    from vllm_specstream.options import ENV_TREE_PRUNE, ENV_TREE_TOP_K
-    from vllm_specstream.suffix_drafts import ENV_SUFFIX_DRAFTS
-
     env = dict(os.environ)
-    env.pop(ENV_TREE_TOP_K, None)  # trees are the tree methods' only
-    env.pop(ENV_TREE_PRUNE, None)
-    # Suffix drafts are specstream-suffix's only, whatever the checkpoint's default.
-    env.pop(ENV_SUFFIX_DRAFTS, None)
-    if method is not None:
-        env[ENV_SUFFIX_DRAFTS] = cfg.suffix_drafts if method == "specstream-suffix" else "off"
-    if method in TREE_METHODS:
-        env[ENV_TREE_TOP_K] = cfg.tree_top_k
-        if method == "specstream-tree-fixed":
-            env[ENV_TREE_PRUNE] = "off"
-        elif cfg.tree_prune is not None:
-            env[ENV_TREE_PRUNE] = cfg.tree_prune
     if any(m in cfg.methods for m in SUFFIX_METHODS) and SUFFIX_DECODING_DIR.is_dir():
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(SUFFIX_DECODING_DIR), env.get("PYTHONPATH")) if p
@@ -444,13 +474,18 @@ def engine_env(cfg: BenchConfig, method: str | None = None) -> dict[str, str]:
     return env
 
 
-def env_setting(cfg: BenchConfig) -> str:
-    """The engines' environment knobs, for the report: the CPU worker thread binding and any
-    ``SPECSTREAM_*`` variable that is set."""
-    env = engine_env(cfg)
-    knobs = [f"{OMP_BIND}={env.get(OMP_BIND, 'auto')}"]
-    knobs += [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("SPECSTREAM_")]
-    return ", ".join(knobs)
+def env_setting(cfg: BenchConfig, results: dict | None = None) -> str:
+    """The engines' CPU worker thread binding, for the report, and the methods whose engine
+    ran another (``results``: each method's :func:`run_cells`)."""
+    binding = engine_env(cfg).get(OMP_BIND, "auto")
+    other: dict[str, list[str]] = {}
+    for method, result in (results or {}).items():
+        ran = result.get("omp_threads_bind", binding)
+        if ran != binding:
+            other.setdefault(ran, []).append(method)
+    return f"{OMP_BIND}={binding}" + "".join(
+        f" ({', '.join(methods)}: {ran})" for ran, methods in other.items()
+    )
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -651,7 +686,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     setting = (
         f"{cfg.num_prompts} prompts ({prompt_source(cfg)}), max_tokens "
         f"{cfg.max_tokens}, {cfg.dtype}, {engine_mode(cfg)}, k={cfg.num_speculative_tokens}, "
-        f"{env_setting(cfg)}, {cfg.repeats} repeats, median tok/s over batches"
+        f"{env_setting(cfg, results)}, {cfg.repeats} repeats, median tok/s over batches"
         + (f", {cfg.rounds} rounds (median of per-round speedups)" if cfg.rounds > 1 else "")
     )
     report = {
@@ -660,6 +695,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         "setting": setting,
         "config": asdict(cfg),
         "spec_configs": {m: r["spec_config"] for m, r in results.items()},
+        "additional_configs": {m: r.get("additional_config") for m, r in results.items()},
         "rows": rows,
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

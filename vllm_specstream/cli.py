@@ -285,7 +285,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if suffix:
         print(
             f"Serves with suffix drafts beside the streams by default ({suffix}; needs "
-            "arctic-inference: make suffix-decoding; SPECSTREAM_SUFFIX_DRAFTS=off turns them off)"
+            "arctic-inference: make suffix-decoding; the engine field suffix_drafts=off turns them "
+            'off: --additional-config \'{"specstream": {"suffix_drafts": "off"}}\')'
         )
     return 0
 
@@ -694,7 +695,7 @@ def _add_training_parsers(sub) -> None:
         "--suffix-drafts",
         metavar="on|off|SCORE",
         help="the checkpoint's serving default of suffix drafts beside the streams "
-        "(specstream.suffix_drafts; SPECSTREAM_SUFFIX_DRAFTS overrides it at serving time): "
+        "(specstream.suffix_drafts; the engine field suffix_drafts overrides it at serving time): "
         "'on' where suffix-tree drafts were measured to pay on the task (they need "
         "arctic-inference; without it the streams draft alone), 'off' to clear it "
         "(default: the adapter's specstream_config.json)",
@@ -813,8 +814,8 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--tree-top-k",
         default="2",
-        help="specstream-tree: candidates per stream (SPECSTREAM_TREE_TOP_K: one, or one per "
-        "stream)",
+        help="specstream-tree: candidates per stream (field tree_top_k: one, or one per "
+        "stream, e.g. 2,2,1,1)",
     )
     p.add_argument(
         "--tree-nodes", type=int, default=8, help="specstream-tree: draft nodes per request"
@@ -822,13 +823,13 @@ def _add_training_parsers(sub) -> None:
     p.add_argument(
         "--tree-prune",
         help="specstream-tree-pruned and specstream-tree: early-exit pruning threshold "
-        "(SPECSTREAM_TREE_PRUNE; default: the checkpoint's prune.threshold, 'off': none); "
+        "(field tree_prune; default: the checkpoint's prune.threshold, 'off': none); "
         "specstream-tree-fixed never prunes",
     )
     p.add_argument(
         "--suffix-drafts",
         default="on",
-        help="specstream-suffix: SPECSTREAM_SUFFIX_DRAFTS ('on': a request drafts from the "
+        help="specstream-suffix: field suffix_drafts ('on': a request drafts from the "
         "suffix trees where that yields as many tokens per step cost as the streams; or a "
         "fixed score threshold)",
     )

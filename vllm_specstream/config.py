@@ -128,9 +128,9 @@ class SpecStreamConfig:
     streams' LM head then reads only their rows (drafts are still verified by the whole
     model: outputs do not change, only which tokens can be drafted)."""
     suffix_drafts: str | None = None
-    """Serving default of ``$SPECSTREAM_SUFFIX_DRAFTS`` for this checkpoint (``on``, a score
+    """Serving default of the engine field ``suffix_drafts`` for this checkpoint (``on``, a score
     threshold, or ``off``): suffix-tree drafts beside the streams, where they were measured
-    to pay on its task (:mod:`vllm_specstream.suffix_drafts`). The variable, when set, wins;
+    to pay on its task (:mod:`vllm_specstream.suffix_drafts`). The field, when set, wins;
     without arctic-inference the engine serves the streams alone and says so once. None:
     the streams alone."""
     prune: PruneConfig = field(default_factory=PruneConfig)

@@ -1,172 +1,260 @@
-"""The plugin's runtime settings, in one typed dataclass read once per engine.
+"""The plugin's per-engine configuration: one typed dataclass, read once per engine.
 
-Two come from vLLM's ``speculative_config`` (so they travel with the engine's config to
-every process): the stream *placement* (which proposer class ``model`` names) and the
-user's batch-size schedule. The others come from the environment, which vLLM's engine
-processes inherit: the stream pass's dtype, the confidence rule's threshold, the draft
-tree's shape and suffix drafts beside the streams. Suffix drafts also have a default in the
-checkpoint (``specstream.suffix_drafts`` of ``config.json``), which the variable overrides.
+Every setting travels with vLLM's engine config, so that each engine of a process (and every
+process of an engine) reads the same:
+
+* vLLM's ``speculative_config`` where vLLM has the field: ``num_speculative_tokens`` and
+  ``num_speculative_tokens_per_batch_size`` (a fixed schedule instead of the adaptive
+  policy);
+* vLLM's channel for out-of-tree settings for the plugin's own fields (:data:`FIELDS`):
+  ``LLM(..., additional_config={"specstream": {...}})``,
+  ``vllm serve --additional-config '{"specstream": {...}}'``;
+* the checkpoint's ``specstream`` section for per-checkpoint defaults (``suffix_drafts``,
+  ``prune.threshold``), which the fields above override.
+
+Environment variables remain only for process-level switches (``SPECSTREAM_HOME``,
+``SPECSTREAM_SKIP_VLLM_VERSION_CHECK``, ``SPECSTREAM_IOMP_PRELOAD``); a process that still sets
+a per-engine variable of earlier releases is refused, naming the field that replaces it.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER
+from vllm_specstream import PROPOSER
 from vllm_specstream.config import ConfigError
-from vllm_specstream.suffix_drafts import (
-    ENV_SUFFIX_DRAFTS,
-    suffix_cache_class,
-    suffix_min_score_from,
-)
+from vllm_specstream.suffix_drafts import suffix_cache_class, suffix_min_score_from
 
-ENV_STREAM_DTYPE = "SPECSTREAM_STREAM_DTYPE"
+#: The key of ``additional_config`` that holds the plugin's fields.
+KEY = "specstream"
+#: Where the streams run (:mod:`vllm_specstream.model_executor.specstream`).
+PLACEMENTS = ("window", "accepted")
 STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
-ENV_DRAFT_MIN_PROB = "SPECSTREAM_DRAFT_MIN_PROB"
-ENV_TREE_TOP_K = "SPECSTREAM_TREE_TOP_K"
-ENV_TREE_PRUNE = "SPECSTREAM_TREE_PRUNE"
 SCHEDULE_OPTION = "num_speculative_tokens_per_batch_size"
+
+#: The plugin's fields of ``additional_config["specstream"]`` and what each takes.
+FIELDS = {
+    "placement": f"one of {list(PLACEMENTS)}, or null for the faster on this engine",
+    "stream_dtype": f"one of {list(STREAM_DTYPE_MODES)}",
+    "tree_top_k": "candidates per stream of a draft tree: an int for every stream or a list "
+    "of one per stream, e.g. 2 or [3, 2, 1, 1]; 0 or null: chain drafts",
+    "tree_prune": "the early-exit pruning threshold of draft trees, in [0, 1), or 'off'; "
+    "null: the checkpoint's prune.threshold",
+    "suffix_drafts": "'on' (suffix drafts where they yield as many tokens per step cost as "
+    "the streams), a score threshold >= 0, or 'off'; null: the checkpoint's suffix_drafts",
+    "draft_min_prob": "the confidence rule's threshold in [0, 1); 0: off",
+}
+
+#: Per-engine variables of earlier releases and the field that replaces each.
+RETIRED_VARIABLES = {
+    "SPECSTREAM_STREAM_DTYPE": "stream_dtype",
+    "SPECSTREAM_DRAFT_MIN_PROB": "draft_min_prob",
+    "SPECSTREAM_TREE_TOP_K": "tree_top_k",
+    "SPECSTREAM_TREE_PRUNE": "tree_prune",
+    "SPECSTREAM_SUFFIX_DRAFTS": "suffix_drafts",
+}
+#: Proposer classes of earlier releases that pinned a placement.
+RETIRED_PROPOSERS = {
+    "vllm_specstream.proposer.WindowSpecStreamProposer": "window",
+    "vllm_specstream.proposer.AcceptedSpecStreamProposer": "accepted",
+}
+
+
+def field_hint(name: str, value: object) -> str:
+    """How a user sets field ``name`` to ``value``, in both of vLLM's spellings."""
+    doc = json.dumps({KEY: {name: value}})
+    return f"LLM(..., additional_config={doc}) or vllm serve --additional-config '{doc}'"
 
 
 @dataclass(frozen=True)
 class SpecStreamOptions:
-    """Runtime settings of one engine (see :func:`read_options`)."""
+    """The configuration of one engine (see :func:`read_options`)."""
 
     num_speculative_tokens: int = 0
     """Draft length at most (vLLM's ``num_speculative_tokens``); 0: speculation off."""
     placement: str | None = None
-    """``window`` or ``accepted`` (:mod:`vllm_specstream.model_executor.specstream`); None:
-    the model's default (window where the decoder runs eagerly, else accepted)."""
+    """``window`` (streams for every position of the verified window, inside the forward) or
+    ``accepted`` (streams at the last accepted position only); None: the model's default
+    (window where the decoder runs eagerly, else accepted)."""
     schedule: tuple[tuple[int, int, int], ...] | None = None
-    """The user's ``num_speculative_tokens_per_batch_size``; None: the adaptive cost model
+    """The user's ``num_speculative_tokens_per_batch_size``; None: the adaptive policy
     (:mod:`vllm_specstream.policy`)."""
     stream_dtype: str = "auto"
-    """``$SPECSTREAM_STREAM_DTYPE``: ``auto``, ``model`` or ``bfloat16``
+    """``auto``, ``model`` or ``bfloat16``
     (:mod:`vllm_specstream.model_executor.stream_weights`)."""
     draft_min_prob: float = 0.0
-    """``$SPECSTREAM_DRAFT_MIN_PROB``: the confidence rule's threshold in ``[0, 1)``; 0 off."""
+    """The confidence rule's threshold in ``[0, 1)``: a draft stops where the streams'
+    cumulative probability falls below it; 0 off."""
     tree_top_k: tuple[int, ...] | None = None
-    """``$SPECSTREAM_TREE_TOP_K``: candidates per stream of the draft tree (one int for every
-    stream, or one per stream); None: chain drafts. The tree's nodes are the first
-    ``num_speculative_tokens`` of :func:`vllm_specstream.draft_trees.tree_template`."""
-
+    """Candidates per stream of the draft tree (one for every stream, or one per stream);
+    None: chain drafts. The tree's nodes are the first ``num_speculative_tokens`` of
+    :func:`vllm_specstream.draft_trees.tree_template`."""
     tree_prune: float | None = None
-    """``$SPECSTREAM_TREE_PRUNE``: early-exit pruning threshold of draft trees in ``[0, 1)``
-    (``off``: no pruning); None: the checkpoint's ``prune.threshold`` where it has a pruning
-    adapter (:mod:`vllm_specstream.model_executor.tree_pruning`), else no pruning."""
-
+    """Early-exit pruning threshold of draft trees in ``[0, 1)`` (0: no pruning); None: the
+    checkpoint's ``prune.threshold`` where it has a pruning adapter
+    (:mod:`vllm_specstream.model_executor.tree_pruning`), else no pruning."""
     suffix_min_score: float | None = None
-    """``$SPECSTREAM_SUFFIX_DRAFTS``, else the checkpoint's ``suffix_drafts``
-    (:mod:`vllm_specstream.suffix_drafts`): a request's step drafts from the suffix trees
-    where their draft's score reaches this (nan: where they yield as many tokens per step
-    cost as the streams); None: the streams only."""
+    """Field ``suffix_drafts``, else the checkpoint's (:mod:`vllm_specstream.suffix_drafts`):
+    a request's step drafts from the suffix trees where their draft's score reaches this
+    (nan: where they yield as many tokens per step cost as the streams); None: the streams
+    only."""
     suffix_from_checkpoint: bool = False
-    """Whether ``suffix_min_score`` is the checkpoint's default (the variable unset)."""
+    """Whether ``suffix_min_score`` is the checkpoint's default (the field unset)."""
     suffix_skipped: str | None = None
     """Why the checkpoint's suffix-drafts default is not followed (None: it is, or there is
-    none, or the variable is set): :func:`suffix_default_skipped`."""
+    none, or the field is set): :func:`suffix_default_skipped`."""
 
     @property
     def trees(self) -> bool:
         return self.tree_top_k is not None
 
 
-def placement_of(proposer_path: str | None) -> str | None:
-    """The placement a ``custom_class`` proposer path pins (None: the model's default)."""
-    for placement, path in PLACEMENT_PROPOSERS.items():
-        if proposer_path == path:
-            return placement
-    if proposer_path not in (None, PROPOSER):
-        raise ConfigError(
-            f"speculative_config model={proposer_path!r} is not a specstream proposer; use "
-            f"{PROPOSER!r} or one of {sorted(PLACEMENT_PROPOSERS.values())}"
-        )
-    return None
-
-
 def drafts_with_streams(spec) -> bool:
-    """Whether vLLM's ``speculative_config`` drafts with this plugin's streams (a specstream
+    """Whether vLLM's ``speculative_config`` drafts with this plugin's streams (its
     ``custom_class`` proposer). Another method on a specstream checkpoint (vLLM's ngram,
     suffix, Medusa, or another proposer class) leaves the streams idle: the model then runs
     as plain decoding does."""
     if spec is None or getattr(spec, "method", "custom_class") != "custom_class":
         return False
-    return getattr(spec, "model", None) in (None, PROPOSER, *PLACEMENT_PROPOSERS.values())
+    return getattr(spec, "model", None) in (None, PROPOSER)
 
 
-def stream_dtype_from(environ: Mapping[str, str]) -> str:
-    raw = environ.get(ENV_STREAM_DTYPE, "")
-    mode = raw.strip().lower() or "auto"
+def check_proposer(path: str | None) -> None:
+    """Refuse a proposer class path of an earlier release, naming its replacement."""
+    placement = RETIRED_PROPOSERS.get(str(path))
+    if placement is not None:
+        raise ConfigError(
+            f"speculative_config model={path!r} was removed: use {PROPOSER!r} (or the alias "
+            f"'specstream') with field placement={placement!r}: "
+            f"{field_hint('placement', placement)}"
+        )
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse a per-engine variable of an earlier release, naming the field that replaces it."""
+    for name, field_name in RETIRED_VARIABLES.items():
+        text = environ.get(name, "").strip()
+        if text:
+            raise ConfigError(
+                f"{name} is no longer read: set field {field_name!r} of the engine instead, "
+                f"{field_hint(field_name, _as_field_value(text))}; unset {name}"
+            )
+
+
+def _as_field_value(text: str) -> object:
+    """A retired variable's value as its field takes it (``3,2,1,1`` -> ``[3, 2, 1, 1]``)."""
+    try:
+        values = [json.loads(part) for part in text.split(",")]
+    except ValueError:
+        return text
+    return values[0] if len(values) == 1 else values
+
+
+def fields_of(vllm_config) -> dict:
+    """``additional_config["specstream"]`` of vLLM's engine config ({} when absent); a
+    malformed section or an unknown field raises ``ConfigError`` naming it."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    raw = additional.get(KEY, {}) if isinstance(additional, Mapping) else {}
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"additional_config[{KEY!r}] must be a mapping of fields, got {raw!r}; e.g. "
+            f"{field_hint('tree_top_k', 2)}"
+        )
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), FIELDS, n=1)
+        raise ConfigError(
+            f"additional_config[{KEY!r}]: unknown field(s) {unknown}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; the fields are {sorted(FIELDS)}"
+        )
+    return dict(raw)
+
+
+def check_fields(additional_config: Mapping | None) -> SpecStreamOptions:
+    """Parse the plugin's fields of an ``additional_config`` (as ``LLM(...)`` takes it) as an
+    engine would; raises ``ConfigError`` naming a bad field."""
+    from types import SimpleNamespace
+
+    return _read_options(SimpleNamespace(additional_config=additional_config or {}))
+
+
+def _bad(name: str, value: object) -> ConfigError:
+    return ConfigError(f"additional_config[{KEY!r}][{name!r}]={value!r}: expected {FIELDS[name]}")
+
+
+def _probability(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise _bad(name, value)
+    return float(value)
+
+
+def placement_from(value: object) -> str | None:
+    if value is None or value in PLACEMENTS:
+        return value  # type: ignore[return-value]
+    raise _bad("placement", value)
+
+
+def stream_dtype_from(value: object) -> str:
+    mode = "auto" if value is None else str(value).strip().lower()
     if mode not in STREAM_DTYPE_MODES:
-        raise ConfigError(f"{ENV_STREAM_DTYPE}={raw!r}: choose one of {list(STREAM_DTYPE_MODES)}")
+        raise _bad("stream_dtype", value)
     return mode
 
 
-def _probability(name: str, text: str, meaning: str) -> float:
-    """``text`` of variable ``name`` as a probability in ``[0, 1)``; else a ConfigError that
-    says what the value means."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(f"{name}={text!r}: expected a probability in [0, 1) {meaning}")
-    return value
+def draft_min_prob_from(value: object) -> float:
+    return 0.0 if value is None else _probability("draft_min_prob", value)
 
 
-def draft_min_prob_from(environ: Mapping[str, str]) -> float:
-    text = environ.get(ENV_DRAFT_MIN_PROB, "").strip()
-    if not text:
-        return 0.0
-    return _probability(ENV_DRAFT_MIN_PROB, text, "(0 turns the confidence rule off)")
-
-
-def tree_prune_from(environ: Mapping[str, str]) -> float | None:
-    """``$SPECSTREAM_TREE_PRUNE``: a threshold, ``off`` (returned as 0: prunes nothing), or
-    unset (None)."""
-    text = environ.get(ENV_TREE_PRUNE, "").strip().lower()
-    if not text:
+def tree_prune_from(value: object) -> float | None:
+    """A threshold, ``off`` (returned as 0: prunes nothing), or None (unset)."""
+    if value is None:
         return None
-    if text == "off":
+    if isinstance(value, str) and value.strip().lower() == "off":
         return 0.0
-    return _probability(
-        ENV_TREE_PRUNE,
-        text,
-        "or 'off' (a draft tree node is pruned when its early-exit probability is below it)",
-    )
+    return _probability("tree_prune", value)
 
 
-#: ``$SPECSTREAM_TREE_PRUNE`` set on a checkpoint without a pruning adapter.
+def tree_top_k_from(value: object) -> tuple[int, ...] | None:
+    """``2`` (two candidates from every stream) or one count per stream (``[3, 2, 1, 1]``);
+    None, 0 or all ones: chains."""
+    if value is None or value == 0:
+        return None
+    ks = value if isinstance(value, list | tuple) else [value]
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise _bad("tree_top_k", value)
+    return None if all(k == 1 for k in ks) else tuple(ks)
+
+
+def suffix_drafts_from(value: object) -> float | None:
+    """Field ``suffix_drafts`` as :func:`~vllm_specstream.suffix_drafts.suffix_min_score_from`
+    reads it (None: off)."""
+    if value is None:
+        return None
+    try:
+        return suffix_min_score_from(str(value))
+    except ConfigError:
+        raise _bad("suffix_drafts", value) from None
+
+
 TREE_PRUNE_NO_ADAPTER = (
-    ENV_TREE_PRUNE + "={threshold:g}: the checkpoint has no pruning adapter ({where}: "
+    "field tree_prune={threshold:g}: the checkpoint has no pruning adapter ({where}: "
     "specstream.prune.enabled is false); add one with `specstream train --objective prune "
-    "--init-from ADAPTER` and export it again, or unset " + ENV_TREE_PRUNE
+    "--init-from ADAPTER` and export it again, or leave tree_prune out"
 )
-
-
-def tree_top_k_from(environ: Mapping[str, str]) -> tuple[int, ...] | None:
-    """``$SPECSTREAM_TREE_TOP_K``: ``"2"`` (two candidates from every stream) or one count
-    per stream (``"3,2,1,1"``); unset, ``0`` or all ones: chains."""
-    text = environ.get(ENV_TREE_TOP_K, "").strip()
-    if not text or text == "0":
-        return None
-    try:
-        ks = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        ks = (0,)
-    if any(k < 1 for k in ks):
-        raise ConfigError(
-            f"{ENV_TREE_TOP_K}={text!r}: expected a candidate count >= 1 per stream, one for "
-            "all (e.g. 2) or one per stream (e.g. 3,2,1,1); unset or 0 for chain drafts"
-        )
-    return None if all(k == 1 for k in ks) else ks
-
-
 TREES_TP_ERROR = (
-    f"{ENV_TREE_TOP_K} (draft trees) needs tensor_parallel_size 1, got {{tp}}; unset it to "
+    "field tree_top_k (draft trees) needs tensor_parallel_size 1, got {tp}; leave it out to "
     "draft chains"
+)
+SUFFIX_WITH_TREES = (
+    "field suffix_drafts drafts chains beside the streams, not trees: leave out tree_top_k "
+    "or suffix_drafts"
 )
 
 
@@ -180,92 +268,88 @@ def draft_tree_of(options: SpecStreamOptions, num_streams: int):
         return None
     if len(ks) not in (1, num_streams):
         raise ConfigError(
-            f"{ENV_TREE_TOP_K}={','.join(map(str, ks))}: give one count for all streams or one "
-            f"per stream (the checkpoint has num_streams={num_streams})"
+            f"field tree_top_k={list(ks)}: give one count for all streams or one per stream "
+            f"(the checkpoint has num_streams={num_streams})"
         )
     k = options.num_speculative_tokens
     template = tree_template(num_streams, ks[0] if len(ks) == 1 else ks, max_nodes=k)
     if template.num_nodes < k:
         raise ConfigError(
             f"num_speculative_tokens={k} exceeds the {template.num_nodes} nodes of the draft "
-            f"tree ({ENV_TREE_TOP_K}={','.join(map(str, ks))}, num_streams={num_streams})"
+            f"tree (field tree_top_k={list(ks)}, num_streams={num_streams})"
         )
     return template
 
 
-#: Every variable :func:`read_options` reads.
-ENV_OPTIONS = (
-    ENV_STREAM_DTYPE,
-    ENV_DRAFT_MIN_PROB,
-    ENV_TREE_TOP_K,
-    ENV_TREE_PRUNE,
-    ENV_SUFFIX_DRAFTS,
-)
-
-#: The last read of this process's environment: (engine config, the variables' values,
-#: options), so that the model and the proposer of one worker share one read.
-_last_read: tuple[object, tuple, SpecStreamOptions] | None = None
+#: The last read: (engine config, options), so that the model and the proposer of one
+#: worker share one read.
+_last_read: tuple[object, SpecStreamOptions] | None = None
 
 
 def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> SpecStreamOptions:
-    """The settings of the engine of ``vllm_config`` (None, or speculation by another
-    method: the streams are off) and
-    ``environ`` (default: this process's environment, read once per engine config while
-    its variables keep their values); bad values raise ``ConfigError`` naming the variable
-    or option."""
+    """The configuration of the engine of ``vllm_config`` (None, or speculation by another
+    method: the streams are off), read once per engine config; bad values raise
+    ``ConfigError`` naming the field. ``environ`` (default: this process's) is checked for
+    retired per-engine variables."""
     global _last_read
-    if environ is not None or vllm_config is None:
-        return _read_options(vllm_config, os.environ if environ is None else environ)
-    values = tuple(os.environ.get(name) for name in ENV_OPTIONS)
-    if _last_read is not None and _last_read[0] is vllm_config and _last_read[1] == values:
-        return _last_read[2]
-    options = _read_options(vllm_config, os.environ)
-    _last_read = (vllm_config, values, options)
+    check_environment(os.environ if environ is None else environ)
+    if _last_read is not None and _last_read[0] is vllm_config and vllm_config is not None:
+        return _last_read[1]
+    options = _read_options(vllm_config)
+    if vllm_config is not None:
+        _last_read = (vllm_config, options)
     return options
 
 
-def _read_options(vllm_config, environ: Mapping[str, str]) -> SpecStreamOptions:
+def _read_options(vllm_config) -> SpecStreamOptions:
+    raw = fields_of(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        check_proposer(getattr(spec, "model", None))
     if not drafts_with_streams(spec):
         spec = None
-    k = spec.num_speculative_tokens if spec is not None else 0
+    k = int(spec.num_speculative_tokens or 0) if spec is not None else 0
     schedule = getattr(spec, SCHEDULE_OPTION, None) if spec is not None else None
-    # Suffix drafts: the variable where set, else the checkpoint's default where it can be
+    # Every field is parsed (a bad value fails even where speculation is off).
+    trees = tree_top_k_from(raw.get("tree_top_k"))
+    user_suffix = suffix_drafts_from(raw.get("suffix_drafts"))
+    if trees is not None and user_suffix is not None:
+        raise ConfigError(SUFFIX_WITH_TREES)
+    options = dict(
+        placement=placement_from(raw.get("placement")),
+        stream_dtype=stream_dtype_from(raw.get("stream_dtype")),
+        draft_min_prob=draft_min_prob_from(raw.get("draft_min_prob")),
+        tree_prune=tree_prune_from(raw.get("tree_prune")),
+    )
+    if not k:
+        return SpecStreamOptions(**options)
+    # Suffix drafts: the field where set, else the checkpoint's default where it can be
     # followed (why not, said by the proposer).
-    user_suffix = bool(environ.get(ENV_SUFFIX_DRAFTS, "").strip())
-    default = checkpoint_suffix_drafts(vllm_config) if k and not user_suffix else None
-    suffix_skipped = suffix_default_skipped(environ, default) if default is not None else None
-    if default is None or suffix_skipped:
-        suffix_min_score = suffix_drafts_from(environ) if k else None
-    else:
-        suffix_min_score = suffix_min_score_from(default)
+    suffix_min_score, skipped = user_suffix, None
+    default = checkpoint_suffix_drafts(vllm_config) if raw.get("suffix_drafts") is None else None
+    if default is not None:
+        try:
+            suffix_min_score_from(default)
+        except ConfigError:
+            raise ConfigError(
+                f"{_model_name(vllm_config)} config.json (specstream): suffix_drafts must be "
+                f"'on', 'off' or a score threshold >= 0, got {default!r}"
+            ) from None
+        skipped = suffix_default_skipped(default, trees=trees is not None)
+        suffix_min_score = None if skipped else suffix_min_score_from(default)
     return SpecStreamOptions(
-        num_speculative_tokens=k or 0,
-        placement=placement_of(getattr(spec, "model", None)) if spec is not None else None,
+        num_speculative_tokens=k,
         schedule=tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None,
-        stream_dtype=stream_dtype_from(environ),
-        draft_min_prob=draft_min_prob_from(environ) if k else 0.0,
-        tree_top_k=tree_top_k_from(environ) if k else None,
-        tree_prune=tree_prune_from(environ) if k else None,
+        tree_top_k=trees,
         suffix_min_score=suffix_min_score,
-        suffix_from_checkpoint=suffix_min_score is not None and not user_suffix,
-        suffix_skipped=suffix_skipped,
+        suffix_from_checkpoint=default is not None and suffix_min_score is not None,
+        suffix_skipped=skipped,
+        **options,
     )
 
 
-SUFFIX_WITH_TREES = (
-    f"{ENV_SUFFIX_DRAFTS} drafts chains beside the streams, not trees; unset "
-    f"{ENV_TREE_TOP_K} or {ENV_SUFFIX_DRAFTS}"
-)
-
-
-def suffix_drafts_from(environ: Mapping[str, str]) -> float | None:
-    """``$SPECSTREAM_SUFFIX_DRAFTS`` (:func:`~vllm_specstream.suffix_drafts.suffix_min_score_from`);
-    refused beside draft trees."""
-    score = suffix_min_score_from(environ.get(ENV_SUFFIX_DRAFTS, ""))
-    if score is not None and tree_top_k_from(environ) is not None:
-        raise ConfigError(SUFFIX_WITH_TREES)
-    return score
+def _model_name(vllm_config) -> str:
+    return str(getattr(getattr(vllm_config, "model_config", None), "model", "the checkpoint's"))
 
 
 def checkpoint_suffix_drafts(vllm_config) -> str | None:
@@ -277,23 +361,22 @@ def checkpoint_suffix_drafts(vllm_config) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def suffix_default_skipped(environ: Mapping[str, str], checkpoint_default: str) -> str | None:
+def suffix_default_skipped(checkpoint_default: str, *, trees: bool) -> str | None:
     """Why a checkpoint's ``suffix_drafts`` default is not followed (None: it is): the user
     asked for draft trees, or arctic-inference is not importable. A default the user did not
     set is never an error; the engine serves the streams alone and says why once."""
     if suffix_min_score_from(checkpoint_default) is None:
         return None
-    if tree_top_k_from(environ) is not None:
-        return (
-            f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed: "
-            f"{ENV_TREE_TOP_K} asks for draft trees, which draft without suffix drafts"
-        )
+    not_followed = (
+        f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed"
+    )
+    if trees:
+        return f"{not_followed}: field tree_top_k asks for draft trees, which draft without them"
     if not suffix_decoding_importable():
         return (
-            f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed: "
-            "arctic-inference's suffix decoding is not importable, so the streams draft alone "
-            "(`make suffix-decoding` builds it for this CPU where the plugin finds it, or set "
-            f"{ENV_SUFFIX_DRAFTS}=off to silence this)"
+            f"{not_followed}: arctic-inference's suffix decoding is not importable, so the "
+            "streams draft alone (`make suffix-decoding` builds it for this CPU where the "
+            f"plugin finds it; {field_hint('suffix_drafts', 'off')} silences this)"
         )
     return None
 

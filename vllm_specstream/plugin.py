@@ -25,7 +25,6 @@ def _apply_patches(vllm_version: str) -> None:
     """Fixes for vLLM itself, each guarded by its version range (see patches/)."""
     from vllm.platforms import current_platform
 
-    from vllm_specstream.options import tree_top_k_from
     from vllm_specstream.patches import apply_patch
     from vllm_specstream.patches.engine_config_check import ENGINE_CONFIG_CHECK
     from vllm_specstream.patches.lora_adapter_streams import LORA_ADAPTER_STREAMS
@@ -47,24 +46,8 @@ def _apply_patches(vllm_version: str) -> None:
             logger.debug("ONEDNN_MAX_CPU_ISA=%s keeps oneDNN off AMX: so are vLLM's kernels", cap)
         apply_patch(CPU_LORA_OPS, vllm_version)
         apply_patch(CPU_LORA_LINEAR, vllm_version)
-        if _requested(tree_top_k_from):
-            from vllm_specstream.patches.tree_runner import TREE_RUNNER
-
-            apply_patch(TREE_RUNNER, vllm_version)
-    # proposer-runner (suffix drafts) is applied by the proposer that asks for it: whether
-    # it does can depend on the checkpoint, which registration does not see.
-
-
-def _requested(read) -> bool:
-    """Whether the environment asks for what ``read`` (an option reader of
-    :mod:`vllm_specstream.options`: draft trees) parses; a bad value is the
-    model's or proposer's error to raise, with the variable named."""
-    from vllm_specstream.config import ConfigError
-
-    try:
-        return read(os.environ) is not None
-    except ConfigError:
-        return False
+    # The runner patches of draft trees and suffix drafts are applied by the proposer that
+    # asks for them: they depend on the engine's config, which registration does not see.
 
 
 def register() -> None:

@@ -42,7 +42,7 @@ where window steps pay more.
 
 A user's batch-size schedule in vLLM's own format (``num_speculative_tokens_per_batch_size``,
 read with vLLM's validator in :mod:`vllm_specstream.vllm_schedule`) replaces the cost model.
-The confidence rule (``$SPECSTREAM_DRAFT_MIN_PROB``, off by default) then cuts each
+The confidence rule (field ``draft_min_prob``, off by default) then cuts each
 request's draft before the first stream whose cumulative top-1 probability falls below it.
 """
 

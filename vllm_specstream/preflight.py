@@ -10,7 +10,6 @@ check the same things again at load time, for engines built without the front-en
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from vllm_specstream.config import MERGED_ARCHITECTURE, ConfigError
@@ -25,11 +24,9 @@ from vllm_specstream.options import (
     TREE_PRUNE_NO_ADAPTER,
     TREES_TP_ERROR,
     SpecStreamOptions,
+    check_proposer,
     draft_tree_of,
     read_options,
-    suffix_drafts_from,
-    tree_prune_from,
-    tree_top_k_from,
 )
 from vllm_specstream.suffix_drafts import suffix_cache_class
 
@@ -93,11 +90,16 @@ def check_setup(
     load_format: str = "auto",
     lora_enabled: bool = False,
     tensor_parallel_size: int = 1,
+    options: SpecStreamOptions | None = None,
 ) -> None:
     """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
     engine config cannot serve: ``model`` is vLLM's model path, ``hf_config`` its parsed
-    ``config.json``, ``spec_*`` the resolved speculative config (None without one)."""
+    ``config.json``, ``spec_*`` the resolved speculative config (None without one),
+    ``options`` the engine's configuration (:func:`check_options`; None: the defaults)."""
+    if spec_method == "custom_class":
+        check_proposer(spec_model)
     speculating = uses_specstream_proposer(spec_method, spec_model)
+    options = options or SpecStreamOptions(num_speculative_tokens or 0)
     if speculating:
         check_platform(platform)
     model_dir = Path(model)
@@ -125,15 +127,18 @@ def check_setup(
             raise ConfigError(
                 f"{config_file}: {STREAM_LORA_TP_ERROR.format(tp=tensor_parallel_size)}"
             )
-    if speculating and num_speculative_tokens and suffix_drafts_from(os.environ) is not None:
-        suffix_cache_class()  # raises, naming the variable, where arctic-inference is missing
-    trees = tree_top_k_from(os.environ) if speculating and num_speculative_tokens else None
-    if trees is not None:
+    if (
+        speculating
+        and num_speculative_tokens
+        and options.suffix_min_score is not None
+        and not options.suffix_from_checkpoint
+    ):
+        suffix_cache_class()  # raises, naming the field, where arctic-inference is missing
+    if speculating and num_speculative_tokens and options.trees:
         if tensor_parallel_size > 1:
             raise ConfigError(TREES_TP_ERROR.format(tp=tensor_parallel_size))
-        options = SpecStreamOptions(num_speculative_tokens, tree_top_k=trees)
         draft_tree_of(options, config.num_streams)  # raises on a size the tree cannot fill
-        threshold = tree_prune_from(os.environ)
+        threshold = options.tree_prune
         if threshold and not config.prune.enabled:
             raise ConfigError(TREE_PRUNE_NO_ADAPTER.format(threshold=threshold, where=config_file))
     elif speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
@@ -148,8 +153,8 @@ def check_setup(
 
 
 def check_options(vllm_config, environ=None) -> SpecStreamOptions:
-    """The runtime options exactly as the engine's model and proposer will read them
-    (:func:`~vllm_specstream.options.read_options`), read here so that a bad variable or a
+    """The engine's configuration exactly as its model and proposer will read it
+    (:func:`~vllm_specstream.options.read_options`), read here so that a bad field or a
     malformed ``num_speculative_tokens_per_batch_size`` (vLLM's own validator) is refused
     before the engine spawns."""
     options = read_options(vllm_config, environ)

@@ -2,7 +2,7 @@
 
 The drafts were computed inside the target's own forward (:mod:`model_executor.specstream`);
 the proposer only picks, per request, the row of the last accepted token and returns its
-stream tokens, clipped to ``num_speculative_tokens``; with ``$SPECSTREAM_SUFFIX_DRAFTS`` a
+stream tokens, clipped to ``num_speculative_tokens``; with suffix drafts (field ``suffix_drafts``) a
 request takes the suffix trees' draft instead where it scores at least as well
 (:mod:`vllm_specstream.suffix_drafts`). It keeps no per-row state: rows of vLLM's input batch
 move between steps. It takes the model's stash (clearing it) and uses
@@ -23,7 +23,7 @@ from vllm_specstream.draft_watch import NoDraftWatch
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
 from vllm_specstream.model_executor.tree_step import WORKER_TREES, tree_problem
-from vllm_specstream.options import ENV_DRAFT_MIN_PROB, read_options
+from vllm_specstream.options import field_hint, read_options
 from vllm_specstream.policy import (
     AcceptanceStats,
     AnchoredChain,
@@ -40,7 +40,6 @@ from vllm_specstream.policy import (
 )
 from vllm_specstream.step_cost import table_for
 from vllm_specstream.suffix_drafts import (
-    ENV_SUFFIX_DRAFTS,
     SCHEDULED_MIN_SCORE,
     SuffixDrafts,
     SuffixSettings,
@@ -69,6 +68,15 @@ def _hand_runner_to_proposer() -> None:
     from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER
 
     _apply_in_worker(PROPOSER_RUNNER)
+
+
+def _verify_trees_in_runner() -> None:
+    """Draft trees need the runner's tree hooks (:mod:`vllm_specstream.patches.tree_runner`):
+    vLLM builds its proposer before its rejection sampler and before the model's attention
+    layers pick their backend, so patching here is in time."""
+    from vllm_specstream.patches.tree_runner import TREE_RUNNER
+
+    _apply_in_worker(TREE_RUNNER)
 
 
 def _sample_plainly_without_drafts() -> None:
@@ -153,23 +161,22 @@ def tree_anchor_indices(rows: list[int], indices: list[int], query_start_loc: li
 class SpecStreamProposer:
     """Speculative streaming drafts for vLLM's ``custom_class`` speculative method.
 
-    Where the model runs the streams (the placement) is the engine's option
-    (:mod:`vllm_specstream.options`: this class takes the faster one on CPU, the subclasses
-    below pin either). The draft length per step is the adaptive policy's
-    (:mod:`vllm_specstream.policy`: step cost on this CPU class against the acceptance seen
-    so far), or the user's ``num_speculative_tokens_per_batch_size``; with
-    ``$SPECSTREAM_DRAFT_MIN_PROB`` the model also cuts each draft where the streams'
+    Where the model runs the streams (the placement) is the engine's field ``placement``
+    (:mod:`vllm_specstream.options`; unset: the faster on this engine). The draft length per
+    step is the adaptive policy's (:mod:`vllm_specstream.policy`: step cost on this CPU class
+    against the acceptance seen so far), or the user's
+    ``num_speculative_tokens_per_batch_size``; with field ``draft_min_prob`` the model also cuts each draft where the streams'
     confidence runs out (-1 in its draft table).
     """
 
-    #: Where the model runs the streams; the subclasses pin either (their class path in
-    #: ``speculative_config`` is the engine's option: :func:`vllm_specstream.options.placement_of`);
-    #: None: the model's default (:meth:`SpecStreamMixin.default_placement`).
-    placement: str | None = None
-
     def __init__(self, vllm_config):
         options = read_options(vllm_config)
+        if options.trees:
+            _verify_trees_in_runner()
         _sample_plainly_without_drafts()
+        #: Where the model runs the streams (None: the model's default,
+        #: :meth:`SpecStreamMixin.default_placement`).
+        self.placement = options.placement
         self.k = options.num_speculative_tokens
         parallel = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
@@ -215,9 +222,10 @@ class SpecStreamProposer:
                 "the streams' expected tokens per step cost, less one"
                 if math.isnan(options.suffix_min_score)
                 else f"{options.suffix_min_score:g}",
-                f"the checkpoint's specstream.suffix_drafts; {ENV_SUFFIX_DRAFTS}=off turns them off"
+                "the checkpoint's specstream.suffix_drafts; "
+                f"{field_hint('suffix_drafts', 'off')} turns them off"
                 if options.suffix_from_checkpoint
-                else ENV_SUFFIX_DRAFTS,
+                else "field suffix_drafts",
             )
         elif options.suffix_skipped:
             logger.warning("%s", options.suffix_skipped)
@@ -415,9 +423,8 @@ class SpecStreamProposer:
         if runner is None:
             self.suffix = None
             logger.warning(
-                "%s: the model runner was not handed to the proposer (patch proposer-runner "
-                "not applied in this process), so the streams draft alone",
-                ENV_SUFFIX_DRAFTS,
+                "suffix_drafts: the model runner was not handed to the proposer (patch "
+                "proposer-runner not applied in this process), so the streams draft alone"
             )
             return []
         batch = runner.input_batch
@@ -546,7 +553,7 @@ class SpecStreamProposer:
         why_none = "the streams left no draft at any request's anchor"
         min_prob = getattr(self.target, "draft_min_prob", 0.0)
         if min_prob > 0:
-            why_none += f" (the confidence rule cut them all: {ENV_DRAFT_MIN_PROB}={min_prob:g})"
+            why_none += f" (the confidence rule cut them all: draft_min_prob={min_prob:g})"
         return drafts, why_none
 
     def _tree_drafts(self, stash, k, rows, indices, num_rows):
@@ -584,15 +591,3 @@ class SpecStreamProposer:
         self._filed_tree = choice if self._tree_rows else None
         self.target.prune_trees = choice is not None and choice.prune
         return chains, "the streams left no draft at any request's anchor"
-
-
-class WindowSpecStreamProposer(SpecStreamProposer):
-    """Streams at every window position inside the forward (the paper's parallel design)."""
-
-    placement = "window"
-
-
-class AcceptedSpecStreamProposer(SpecStreamProposer):
-    """Streams only at each request's last accepted position, after rejection sampling."""
-
-    placement = "accepted"

@@ -58,8 +58,9 @@ class SpecStreamServeConfig:
     """vLLM engines behind the endpoint, each a Ray Serve replica."""
     num_speculative_tokens: int | None = None
     """Drafts per step; default: the checkpoint's ``specstream.num_streams``."""
-    placement: str | None = None
-    """Where the streams run (``"accepted"``, ``"window"``); default: the faster on CPU."""
+    specstream: dict = field(default_factory=dict)
+    """The plugin's fields for every replica's engine (``additional_config["specstream"]``,
+    :mod:`vllm_specstream.options`), e.g. ``{"placement": "window"}``."""
     model_id: str = "specstream"
     """The ``model`` name clients send."""
     dtype: str | None = None
@@ -118,8 +119,12 @@ def llm_config(config: SpecStreamServeConfig, *, cpu: bool | None = None) -> LLM
     k = config.num_speculative_tokens or checkpoint_num_streams(config.checkpoint)
     engine: dict[str, Any] = {
         "max_model_len": config.max_model_len,
-        "speculative_config": speculative_config(k, placement=config.placement),
+        "speculative_config": speculative_config(k),
     }
+    if config.specstream:
+        from vllm_specstream.options import KEY
+
+        engine["additional_config"] = {KEY: dict(config.specstream)}
     if cpu:
         from vllm_specstream.cpu_env import cpu_engine_kwargs
 

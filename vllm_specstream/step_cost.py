@@ -13,8 +13,8 @@ import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.machine import cpu_class
+from vllm_specstream.options import PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def cheaper_placement(cls: str | None = None) -> str:
     tables. ``window`` on every measured class (it also prices chains with their streams at
     the anchors, so the policy can take the cheaper of the two step by step)."""
     return min(
-        PLACEMENT_PROPOSERS,
+        PLACEMENTS,
         key=lambda p: sum(table_for(p, cls).ratio(1, k) for k in PLACEMENT_CHOICE_KS),
     )
 

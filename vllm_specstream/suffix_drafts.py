@@ -4,7 +4,7 @@ A task fine-tune's answers copy a lot: column names from the schema in the promp
 name from the dialogue, phrases of earlier answers. Suffix decoding (arXiv 2411.04975) drafts
 those for free, by matching the request's last tokens in suffix trees over its prompt and
 output and over earlier requests' outputs; the streams draft what is learnt, at the cost of a
-stream pass. With ``$SPECSTREAM_SUFFIX_DRAFTS=on`` a request's step takes the suffix trees'
+stream pass. With the engine field ``suffix_drafts: on`` (:mod:`vllm_specstream.options`) a request's step takes the suffix trees'
 draft where its score (the sum of its tokens' estimated probabilities: expected accepted
 tokens) makes the step yield as many tokens per cost as the streams are expected to (the
 adaptive policy's expected tokens over its step cost; a step with suffix drafts only runs no
@@ -30,15 +30,13 @@ import numpy as np
 
 from vllm_specstream.config import ConfigError
 
-ENV_SUFFIX_DRAFTS = "SPECSTREAM_SUFFIX_DRAFTS"
-
 #: A fixed threshold's stand-in for the streams' expected accepted drafts where no adaptive
 #: policy estimates them (the user's batch-size schedule).
 SCHEDULED_MIN_SCORE = 1.0
 
 
 def suffix_min_score_from(text: str) -> float | None:
-    """``$SPECSTREAM_SUFFIX_DRAFTS``: unset or ``off`` (None: streams only), ``on`` (nan: the
+    """A ``suffix_drafts`` setting: empty or ``off`` (None: streams only), ``on`` (nan: the
     threshold follows the streams' expected tokens per step cost) or a score threshold
     ``>= 0``."""
     text = text.strip().lower()
@@ -52,7 +50,7 @@ def suffix_min_score_from(text: str) -> float | None:
         value = -1.0
     if not value >= 0:
         raise ConfigError(
-            f"{ENV_SUFFIX_DRAFTS}={text!r}: expected 'on' (suffix drafts where they yield as "
+            f"suffix_drafts={text!r}: expected 'on' (suffix drafts where they yield as "
             "many tokens per step cost as the streams), a score threshold >= 0, or 'off'"
         )
     return value
@@ -75,9 +73,9 @@ def suffix_cache_class():
         built = SUFFIX_DECODING_DIR / "arctic_inference" / "suffix_decoding"
         if not built.is_dir() or str(SUFFIX_DECODING_DIR) in sys.path:
             raise ConfigError(
-                f"{ENV_SUFFIX_DRAFTS} needs arctic-inference's suffix decoding, which is not "
-                f"importable ({e}) nor built in {SUFFIX_DECODING_DIR}; `make suffix-decoding` "
-                f"builds it for this CPU, or unset {ENV_SUFFIX_DRAFTS}"
+                "suffix drafts (field suffix_drafts) need arctic-inference's suffix decoding, "
+                f"which is not importable ({e}) nor built in {SUFFIX_DECODING_DIR}; `make "
+                "suffix-decoding` builds it for this CPU, or leave suffix_drafts out"
             ) from e
         sys.path.append(str(SUFFIX_DECODING_DIR))
         return suffix_cache_class()

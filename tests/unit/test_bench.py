@@ -1,7 +1,6 @@
 """`specstream bench` without engines: configs per method, the summary math, the outputs."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from safetensors.torch import save_file
 from vllm_specstream.bench import (
     OMP_BIND,
     BenchConfig,
+    additional_config_for,
     combine_rounds,
     engine_env,
     env_setting,
@@ -182,46 +182,75 @@ def test_rounds_combine_per_round_speedups(dirs):
 
 def test_environment_knobs_reach_every_engine_and_the_report(dirs, monkeypatch):
     ckpt, _ = dirs
-    for k in list(os.environ):
-        if k == OMP_BIND or k.startswith("SPECSTREAM_"):
-            monkeypatch.delenv(k)
+    monkeypatch.delenv(OMP_BIND, raising=False)
     default = BenchConfig(checkpoint=str(ckpt))
     assert OMP_BIND not in engine_env(default)
     assert env_setting(default) == f"{OMP_BIND}=auto"
     monkeypatch.setenv(OMP_BIND, "0")
-    monkeypatch.setenv("SPECSTREAM_DRAFT_MIN_PROB", "0.3")
-    # The environment's knobs are recorded.
-    assert env_setting(default) == f"{OMP_BIND}=0, SPECSTREAM_DRAFT_MIN_PROB=0.3"
+    assert engine_env(default, "specstream")[OMP_BIND] == "0"
+    assert env_setting(default) == f"{OMP_BIND}=0"  # the environment's knob is recorded
     nobind = BenchConfig(checkpoint=str(ckpt), omp_threads_bind="nobind")
     assert engine_env(nobind)[OMP_BIND] == "nobind"  # the flag wins over the environment
-    assert env_setting(nobind).startswith(f"{OMP_BIND}=nobind")
+    assert env_setting(nobind) == f"{OMP_BIND}=nobind"
 
 
-def test_trees_are_the_tree_methods_only(dirs, monkeypatch):
+def _fields(method: str, cfg: BenchConfig) -> dict:
+    return additional_config_for(method, cfg)["specstream"]
+
+
+def test_trees_are_the_tree_methods_only(dirs):
     ckpt, _ = dirs
-    monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "3")  # a user's shell: not for other methods
     cfg = BenchConfig(checkpoint=str(ckpt), tree_top_k="2,2,1,1", tree_nodes=6)
-    assert "SPECSTREAM_TREE_TOP_K" not in engine_env(cfg, "specstream")
-    assert engine_env(cfg, "specstream-tree")["SPECSTREAM_TREE_TOP_K"] == "2,2,1,1"
+    assert additional_config_for("plain", cfg) is None
+    assert "tree_top_k" not in _fields("specstream", cfg)
+    assert "tree_top_k" not in _fields("specstream-fixed", cfg)
+    assert _fields("specstream-tree", cfg)["tree_top_k"] == [2, 2, 1, 1]
+    assert _fields("specstream-tree", BenchConfig(checkpoint=str(ckpt)))["tree_top_k"] == 2
     assert speculative_config_for("specstream-tree", cfg)["num_speculative_tokens"] == 6
     assert extra_params("specstream-tree", cfg) == 32
     # the fixed variant: the same trees, the adaptive policy off (a schedule of 6 drafts)
     fixed = speculative_config_for("specstream-tree-fixed", cfg)
-    assert engine_env(cfg, "specstream-tree-fixed")["SPECSTREAM_TREE_TOP_K"] == "2,2,1,1"
+    assert _fields("specstream-tree-fixed", cfg)["tree_top_k"] == [2, 2, 1, 1]
     assert fixed["num_speculative_tokens"] == 6
     assert fixed != speculative_config_for("specstream-tree", cfg)
     # the fixed variant never prunes (a checkpoint may carry a threshold); the pruned one and
     # the adaptive one (whose policy chooses per step) take the bench's threshold, else the
-    # checkpoint's, never the user's shell
-    monkeypatch.setenv("SPECSTREAM_TREE_PRUNE", "0.2")
-    assert "SPECSTREAM_TREE_PRUNE" not in engine_env(cfg, "specstream")
-    assert engine_env(cfg, "specstream-tree-fixed")["SPECSTREAM_TREE_PRUNE"] == "off"
-    assert "SPECSTREAM_TREE_PRUNE" not in engine_env(cfg, "specstream-tree-pruned")
-    assert "SPECSTREAM_TREE_PRUNE" not in engine_env(cfg, "specstream-tree")
+    # checkpoint's (the field left out)
+    assert "tree_prune" not in _fields("specstream", cfg)
+    assert _fields("specstream-tree-fixed", cfg)["tree_prune"] == "off"
+    assert "tree_prune" not in _fields("specstream-tree-pruned", cfg)
+    assert "tree_prune" not in _fields("specstream-tree", cfg)
     pruned = BenchConfig(checkpoint=str(ckpt), tree_prune="0.05")
-    assert engine_env(pruned, "specstream-tree-pruned")["SPECSTREAM_TREE_PRUNE"] == "0.05"
-    assert engine_env(pruned, "specstream-tree")["SPECSTREAM_TREE_PRUNE"] == "0.05"
+    assert _fields("specstream-tree-pruned", pruned)["tree_prune"] == 0.05
+    assert _fields("specstream-tree", pruned)["tree_prune"] == 0.05
+    assert _fields("specstream-tree-fixed", pruned)["tree_prune"] == "off"
     assert speculative_config_for("specstream-tree-pruned", cfg) == fixed
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [
+        ("tree_top_k", "two", None),
+        ("tree_top_k", "2,0", "tree_top_k"),
+        ("tree_prune", "1.5", "tree_prune"),
+    ],
+)
+def test_bad_tree_flags_are_refused_before_any_engine_starts(dirs, flag, value, field):
+    ckpt, _ = dirs
+    with pytest.raises(ValueError, match="--tree-top-k, --tree-prune") as refused:
+        BenchConfig(checkpoint=str(ckpt), methods=("specstream-tree",), **{flag: value})
+    if field is not None:
+        assert f"['{field}']" in str(refused.value)
+
+
+def test_the_plugins_fields_reach_every_specstream_method(dirs):
+    ckpt, _ = dirs
+    cfg = BenchConfig(checkpoint=str(ckpt), specstream_fields={"placement": "window"})
+    for method in ("specstream", "specstream-fixed", "specstream-tree-fixed"):
+        assert _fields(method, cfg)["placement"] == "window", method
+    assert additional_config_for("medusa", cfg) is None
+    with pytest.raises(ValueError, match=r"\['placement'\]='middle'"):
+        BenchConfig(checkpoint=str(ckpt), specstream_fields={"placement": "middle"})
 
 
 def test_a_draft_vocabulary_is_not_counted_as_parameters(tmp_path):
@@ -259,11 +288,13 @@ def test_suffix_drafts_are_specstream_suffix_only(dirs, monkeypatch):
 
     ckpt, _ = dirs
     monkeypatch.setattr(bench, "has_suffix_decoding", lambda: True)
-    monkeypatch.setenv("SPECSTREAM_SUFFIX_DRAFTS", "2")  # a user's shell: not for other methods
     cfg = BenchConfig(checkpoint=str(ckpt), methods=("specstream", "specstream-suffix"))
-    # 'off', not unset: a checkpoint's suffix_drafts default must not turn them on either.
-    assert engine_env(cfg, "specstream")["SPECSTREAM_SUFFIX_DRAFTS"] == "off"
-    assert engine_env(cfg, "specstream-suffix")["SPECSTREAM_SUFFIX_DRAFTS"] == "on"
+    # 'off', not left out: a checkpoint's suffix_drafts default must not turn them on either.
+    for method in ("specstream", "specstream-fixed", "specstream-tree"):
+        assert _fields(method, cfg)["suffix_drafts"] == "off", method
+    assert _fields("specstream-suffix", cfg)["suffix_drafts"] == "on"
+    score = BenchConfig(checkpoint=str(ckpt), methods=("specstream-suffix",), suffix_drafts="2")
+    assert _fields("specstream-suffix", score)["suffix_drafts"] == "2"
     assert speculative_config_for("specstream-suffix", cfg) == speculative_config_for(
         "specstream", cfg
     )

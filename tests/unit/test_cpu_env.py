@@ -1,10 +1,13 @@
 from pathlib import Path
 
 from vllm_specstream.cpu_env import (
+    ENV_OMP_BIND,
     cpu_engine_kwargs,
     find_iomp,
     iomp_preload_value,
+    physical_cores,
     single_thread_note,
+    speculation_binding,
 )
 
 IOMP = Path("/venv/lib/libiomp5.so")
@@ -41,3 +44,23 @@ def test_single_thread_note_names_the_binding_and_the_fix():
 def test_single_thread_note_silent_when_threads_are_not_the_limit():
     assert single_thread_note(threads=2, cpus=2, bind=None) is None
     assert single_thread_note(threads=1, cpus=1, bind=None) is None  # nothing to gain
+
+
+def test_a_speculating_engine_gets_every_core_where_auto_would_leave_it_one():
+    # 2 cores: vLLM's auto binding reserves one for the scheduler, the worker gets one thread.
+    assert speculation_binding({}, cores=2, world_size=1) == "nobind"
+    # The user's binding (or reservation) stands; larger machines keep vLLM's auto binding;
+    # tensor-parallel ranks are not made to share cores.
+    assert speculation_binding({ENV_OMP_BIND: "auto"}, cores=2, world_size=1) is None
+    assert speculation_binding({"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 2, 1) is None
+    assert speculation_binding({}, cores=4, world_size=1) is None
+    assert speculation_binding({}, cores=1, world_size=1) is None
+    assert speculation_binding({}, cores=3, world_size=2) is None
+
+
+def test_physical_cores_counts_cores_not_hyperthreads():
+    import os
+
+    cpus = set(os.sched_getaffinity(0))
+    assert 1 <= physical_cores(cpus) <= len(cpus)
+    assert physical_cores({next(iter(cpus))}) == 1

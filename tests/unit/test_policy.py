@@ -7,17 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
+from vllm_specstream import PROPOSER, speculative_config
 from vllm_specstream.config import ConfigError
 from vllm_specstream.machine import CPU_CLASSES, cpu_class, native_bf16
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.stash import StreamStash
-from vllm_specstream.options import (
-    ENV_DRAFT_MIN_PROB,
-    ENV_STREAM_DTYPE,
-    placement_of,
-    read_options,
-)
+from vllm_specstream.options import read_options
 from vllm_specstream.policy import (
     AcceptanceStats,
     AnchoredChain,
@@ -369,7 +364,8 @@ def test_speculative_config_adaptive_switch():
     assert cfg["num_speculative_tokens_per_batch_size"] == mine
 
 
-def _vllm_config(k=4, schedule=None, model=PROPOSER, method="custom_class"):
+def _vllm_config(k=4, schedule=None, model=PROPOSER, method="custom_class", **fields):
+    """An engine config whose ``additional_config["specstream"]`` holds ``fields``."""
     spec = SimpleNamespace(
         num_speculative_tokens=k,
         num_speculative_tokens_per_batch_size=schedule,
@@ -377,35 +373,32 @@ def _vllm_config(k=4, schedule=None, model=PROPOSER, method="custom_class"):
         method=method,
     )
     return SimpleNamespace(
-        speculative_config=spec, scheduler_config=SimpleNamespace(max_num_seqs=64)
+        speculative_config=spec,
+        scheduler_config=SimpleNamespace(max_num_seqs=64),
+        additional_config={"specstream": fields},
     )
 
 
-def test_options_are_read_once_and_name_the_bad_setting():
-    env = {ENV_STREAM_DTYPE: "BFloat16", ENV_DRAFT_MIN_PROB: "0.25"}
-    options = read_options(_vllm_config(3, [(1, 4, 2)]), env)
+def test_options_are_read_once_and_name_the_bad_field():
+    config = _vllm_config(3, [(1, 4, 2)], stream_dtype="BFloat16", draft_min_prob=0.25)
+    options = read_options(config, {})
     assert options.stream_dtype == "bfloat16" and options.draft_min_prob == 0.25
     assert options.schedule == ((1, 4, 2),) and options.num_speculative_tokens == 3
     assert read_options(None, {}).draft_min_prob == 0.0  # speculation off: rule off
-    for name, bad in [
-        (ENV_STREAM_DTYPE, "fp8"),
-        (ENV_DRAFT_MIN_PROB, "1"),
-        (ENV_DRAFT_MIN_PROB, "high"),
-    ]:
-        with pytest.raises(ConfigError, match=f"{name}='{bad}'"):
-            read_options(_vllm_config(), {name: bad})
+    assert read_options(_vllm_config(3), {}).draft_min_prob == 0.0  # unset: rule off
+    for name, bad in [("stream_dtype", "fp8"), ("draft_min_prob", 1), ("draft_min_prob", "high")]:
+        with pytest.raises(ConfigError, match=rf"\['specstream'\]\['{name}'\]={bad!r}"):
+            read_options(_vllm_config(**{name: bad}), {})
 
 
-def test_one_engine_config_reads_the_environment_once(monkeypatch):
-    """The model and the proposer of one worker share one read of the process's variables;
-    another config, or a variable that changed, reads again."""
-    monkeypatch.setenv(ENV_DRAFT_MIN_PROB, "0.25")
-    config = _vllm_config(3)
-    first = read_options(config)
-    assert first.draft_min_prob == 0.25 and read_options(config) is first
-    assert read_options(_vllm_config(3)) is not first
-    monkeypatch.setenv(ENV_DRAFT_MIN_PROB, "0.5")
-    assert read_options(config).draft_min_prob == 0.5
+def test_one_engine_config_is_read_once():
+    """The model and the proposer of one worker share one read of the engine config;
+    another engine config reads its own fields."""
+    config = _vllm_config(3, draft_min_prob=0.25)
+    first = read_options(config, {})
+    assert first.draft_min_prob == 0.25 and read_options(config, {}) is first
+    other = read_options(_vllm_config(3, draft_min_prob=0.5), {})
+    assert other is not first and other.draft_min_prob == 0.5
 
 
 def test_other_speculative_methods_leave_the_streams_off():
@@ -423,11 +416,12 @@ def test_other_speculative_methods_leave_the_streams_off():
     assert read_options(_vllm_config(4), {}).num_speculative_tokens == 4
 
 
-def test_placement_follows_the_proposer_class():
-    assert placement_of(PROPOSER) is None  # the model's default
-    assert {placement_of(p) for p in PLACEMENT_PROPOSERS.values()} == set(PLACEMENT_PROPOSERS)
-    with pytest.raises(ConfigError, match="not a specstream proposer"):
-        placement_of("my.Proposer")
+def test_placement_is_the_engine_field():
+    assert read_options(_vllm_config(4), {}).placement is None  # the model's default
+    for placement in ("window", "accepted"):
+        assert read_options(_vllm_config(4, placement=placement), {}).placement == placement
+    with pytest.raises(ConfigError, match=r"\['placement'\]='middle'"):
+        read_options(_vllm_config(4, placement="middle"), {})
 
 
 class _Target:

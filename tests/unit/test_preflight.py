@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from vllm_specstream import PROPOSER
 from vllm_specstream.config import ConfigError, SpecStreamConfig
-from vllm_specstream.preflight import check_platform, check_setup
+from vllm_specstream.preflight import check_options, check_platform, check_setup
 
 HIDDEN = 8
 CPU = SimpleNamespace(is_cpu=lambda: True, device_name="cpu")
@@ -45,9 +45,24 @@ def make_checkpoint(tmp_path: Path, streams_shape=(3, HIDDEN), **section) -> Pat
 
 
 def check(
-    ckpt: Path, k: int | None = 2, platform=CPU, method="custom_class", model=PROPOSER, lora=False
+    ckpt: Path,
+    k: int | None = 2,
+    platform=CPU,
+    method="custom_class",
+    model=PROPOSER,
+    lora=False,
+    tp=1,
+    **fields,
 ):
+    """``check_setup`` of ``ckpt`` served with ``k`` drafts, with the engine's options as
+    the front-end reads them from ``additional_config["specstream"]`` = ``fields``."""
     config = json.loads((ckpt / "config.json").read_text())
+    options = None
+    if fields:
+        vllm_config = engine_config(ckpt, num_speculative_tokens=k, **fields)
+        vllm_config.speculative_config.method = method
+        vllm_config.speculative_config.model = model
+        options = check_options(vllm_config, environ={})
     check_setup(
         model=str(ckpt),
         hf_config=SimpleNamespace(**config),
@@ -56,6 +71,8 @@ def check(
         num_speculative_tokens=k,
         platform=platform,
         lora_enabled=lora,
+        tensor_parallel_size=tp,
+        options=options,
     )
 
 
@@ -150,28 +167,50 @@ def test_speculation_is_refused_off_cpu(tmp_path):
     check_platform(CPU)
 
 
-def engine_config(ckpt: Path, **spec) -> SimpleNamespace:
-    """What the front-end hook reads of vLLM's engine config: ``ckpt`` speculating 2 drafts
-    with the specstream proposer (``spec``: more speculative-config fields)."""
+def engine_config(ckpt: Path, num_speculative_tokens=2, **fields) -> SimpleNamespace:
+    """What the front-end hook reads of vLLM's engine config: ``ckpt`` speculating
+    ``num_speculative_tokens`` drafts with the specstream proposer, the plugin's ``fields``
+    in ``additional_config``."""
     config = json.loads((ckpt / "config.json").read_text())
     return SimpleNamespace(
         model_config=SimpleNamespace(model=str(ckpt), hf_config=SimpleNamespace(**config)),
         speculative_config=SimpleNamespace(
-            method="custom_class", model=PROPOSER, num_speculative_tokens=2, **spec
+            method="custom_class",
+            model=PROPOSER,
+            num_speculative_tokens=num_speculative_tokens,
+            num_speculative_tokens_per_batch_size=None,
         ),
         scheduler_config=SimpleNamespace(max_num_seqs=8),
         load_config=SimpleNamespace(load_format="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, world_size=1),
+        additional_config={"specstream": fields},
     )
 
 
-def test_the_vllm_hook_reads_the_current_platform(tmp_path, monkeypatch):
-    """The front-end hook passes vLLM's ``current_platform``: a CUDA platform (patched in)
-    is refused before any engine starts."""
+@pytest.fixture
+def hook():
+    """vLLM's front-end hook; the worker threads' binding it may set in this process's
+    environment is put back after the test."""
     pytest.importorskip("vllm")
-    import vllm.platforms
+    import os
 
+    from vllm_specstream.cpu_env import ENV_OMP_BIND
     from vllm_specstream.patches.engine_config_check import check_vllm_config
 
+    saved = os.environ.get(ENV_OMP_BIND)
+    yield check_vllm_config
+    if saved is None:
+        os.environ.pop(ENV_OMP_BIND, None)
+    else:
+        os.environ[ENV_OMP_BIND] = saved
+
+
+def test_the_vllm_hook_reads_the_current_platform(tmp_path, monkeypatch, hook):
+    """The front-end hook passes vLLM's ``current_platform``: a CUDA platform (patched in)
+    is refused before any engine starts."""
+    import vllm.platforms
+
+    check_vllm_config = hook
     vllm_config = engine_config(make_checkpoint(tmp_path))
     monkeypatch.setattr(vllm.platforms, "_current_platform", CUDA)
     with pytest.raises(ConfigError, match="platform cuda is not supported yet"):
@@ -181,26 +220,23 @@ def test_the_vllm_hook_reads_the_current_platform(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "env, schedule, message",
+    "fields, schedule, message",
     [
-        ({"SPECSTREAM_STREAM_DTYPE": "fp8"}, None, "SPECSTREAM_STREAM_DTYPE='fp8': choose one"),
-        ({"SPECSTREAM_DRAFT_MIN_PROB": "2"}, None, "SPECSTREAM_DRAFT_MIN_PROB='2': expected"),
+        ({"stream_dtype": "fp8"}, None, "['stream_dtype']='fp8': expected one of"),
+        ({"draft_min_prob": 2}, None, "['draft_min_prob']=2: expected"),
+        ({"tree_top_k": 2}, None, None),
         ({}, [(1, 2)], "speculative_config num_speculative_tokens_per_batch_size=[(1, 2)]"),
         ({}, [(2, 8, 2)], "num_speculative_tokens_per_batch_size=[(2, 8, 2)]"),
         ({}, [(1, 4, 2), (5, 8, 0)], None),
     ],
 )
-def test_the_vllm_hook_reads_the_runtime_options(tmp_path, monkeypatch, env, schedule, message):
-    """Bad runtime variables and a schedule vLLM's validator refuses are refused in the
-    front-end, before any engine starts (the worker would read the same options)."""
-    pytest.importorskip("vllm")
-    from vllm_specstream.patches.engine_config_check import check_vllm_config
-
-    vllm_config = engine_config(
-        make_checkpoint(tmp_path), num_speculative_tokens_per_batch_size=schedule
-    )
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+def test_the_vllm_hook_reads_the_engines_fields(tmp_path, hook, fields, schedule, message):
+    """Bad fields of ``additional_config["specstream"]`` and a schedule vLLM's validator
+    refuses are refused in the front-end, before any engine starts (the worker would read
+    the same options)."""
+    check_vllm_config = hook
+    vllm_config = engine_config(make_checkpoint(tmp_path), **fields)
+    vllm_config.speculative_config.num_speculative_tokens_per_batch_size = schedule
     if message is None:
         check_vllm_config(vllm_config)
         return
@@ -296,18 +332,32 @@ def test_lora_under_tensor_parallelism_passes_and_streams_only_limits(tmp_path):
         check_setup(**args, lora_enabled=False, tensor_parallel_size=3)
 
 
-def test_tree_pruning_needs_a_pruning_adapter(tmp_path, monkeypatch):
+def test_tree_pruning_needs_a_pruning_adapter(tmp_path):
     ckpt = make_checkpoint(tmp_path)
-    monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "2")
-    monkeypatch.setenv("SPECSTREAM_TREE_PRUNE", "off")
-    check(ckpt, k=4)
-    monkeypatch.setenv("SPECSTREAM_TREE_PRUNE", "0.05")
+    check(ckpt, k=4, tree_top_k=2)  # the checkpoint's threshold: none, no adapter needed
+    check(ckpt, k=4, tree_top_k=2, tree_prune="off")
     with pytest.raises(
         ConfigError,
-        match=r"SPECSTREAM_TREE_PRUNE=0.05: the checkpoint has no pruning adapter "
+        match=r"field tree_prune=0.05: the checkpoint has no pruning adapter "
         r"\(.*ckpt/config.json: specstream.prune.enabled is false\).*--objective prune",
     ):
-        check(ckpt, k=4)
+        check(ckpt, k=4, tree_top_k=2, tree_prune=0.05)
+
+
+def test_draft_trees_need_one_rank_and_a_tree_that_fills_the_drafts(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    check(ckpt, k=5, tree_top_k=2)  # more drafts than streams: a tree's nodes
+    with pytest.raises(ConfigError, match="tree_top_k.*needs tensor_parallel_size 1, got 2"):
+        check(ckpt, k=5, tp=2, tree_top_k=2)
+    check(ckpt, k=2, tp=2)  # chains under tensor parallelism
+    with pytest.raises(ConfigError, match=r"num_speculative_tokens=20 exceeds the 14 nodes"):
+        check(ckpt, k=20, tree_top_k=2)
+
+
+def test_a_retired_proposer_class_is_refused_naming_its_placement(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="placement='accepted'"):
+        check(ckpt, model="vllm_specstream.proposer.AcceptedSpecStreamProposer")
 
 
 @pytest.mark.parametrize(
@@ -351,19 +401,18 @@ def test_suffix_drafts_need_arctic_inference_and_chains(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", without_arctic)
-    monkeypatch.setenv("SPECSTREAM_SUFFIX_DRAFTS", "on")
     with pytest.raises(
         ConfigError,
-        match=r"SPECSTREAM_SUFFIX_DRAFTS needs arctic-inference.*"
+        match=r"suffix drafts \(field suffix_drafts\) need arctic-inference.*"
         r"make suffix-decoding",
     ):
-        check(ckpt, k=2)
-    check(ckpt, k=None)  # not speculating: nothing to draft with
+        check(ckpt, k=2, suffix_drafts="on")
+    check(ckpt, k=None, suffix_drafts="on")  # not speculating: nothing to draft with
+    check(ckpt, k=2, suffix_drafts="off")
     # A checkpoint's default is no error without arctic-inference (the engine says why).
-    monkeypatch.delenv("SPECSTREAM_SUFFIX_DRAFTS")
     (tmp_path / "default").mkdir()
-    check(make_checkpoint(tmp_path / "default", suffix_drafts="on"), k=2)
-    monkeypatch.setenv("SPECSTREAM_SUFFIX_DRAFTS", "on")
-    monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "2")
+    default = make_checkpoint(tmp_path / "default", suffix_drafts="on")
+    check(default, k=2)
+    check(default, k=2, stream_dtype="auto")  # read from the engine config as well
     with pytest.raises(ConfigError, match="drafts chains beside the streams, not trees"):
-        check(ckpt, k=2)
+        check(ckpt, k=2, suffix_drafts="on", tree_top_k=2)

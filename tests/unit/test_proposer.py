@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specstream import PLACEMENT_PROPOSERS, PROPOSER, speculative_config
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
@@ -91,18 +90,6 @@ def test_anchor_rows_feed_accepted_anchors():
     assert accepted_anchors(_batch(), [], []).tolist() == [[-1], [-1], [-1]]
 
 
-def test_speculative_config_placements():
-    assert speculative_config(3)["model"] == PROPOSER
-    assert speculative_config(3, placement="window")["model"] == PLACEMENT_PROPOSERS["window"]
-    with pytest.raises(ValueError, match="placement='middle'"):
-        speculative_config(3, placement="middle")
-    from vllm_specstream import proposer
-
-    assert proposer.SpecStreamProposer.placement is None  # the model's default
-    assert proposer.WindowSpecStreamProposer.placement == "window"
-    assert proposer.AcceptedSpecStreamProposer.placement == "accepted"
-
-
 class _Target:
     """The model as the proposer sees it: one forward of two decode requests, each with a
     window [root, d1] at positions 10..11 (tokens 100, 101 and 200, 201), d1 accepted."""
@@ -157,15 +144,23 @@ def _token_ids(d1_first=101, d1_second=201) -> np.ndarray:
     return tokens
 
 
-def _proposer(target=None):
+def _proposer(target=None, **fields):
+    """A proposer of an engine whose ``additional_config["specstream"]`` holds ``fields``."""
     from types import SimpleNamespace
 
     from vllm_specstream.proposer import SpecStreamProposer
 
     spec = SimpleNamespace(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=None)
-    proposer = SpecStreamProposer(SimpleNamespace(speculative_config=spec))
+    config = SimpleNamespace(speculative_config=spec, additional_config={"specstream": fields})
+    proposer = SpecStreamProposer(config)
     proposer.load_model(target or _Target())
     return proposer
+
+
+def test_the_placement_field_sets_where_the_model_runs_the_streams():
+    assert _proposer().target.placement == "accepted"  # unset: the model's default
+    assert _proposer(placement="window").target.placement == "window"
+    assert _proposer(placement="accepted").target.placement == "accepted"
 
 
 def test_this_steps_stash_drafts_and_is_cleared():

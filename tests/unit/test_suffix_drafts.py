@@ -11,7 +11,6 @@ from vllm_specstream.config import ConfigError
 from vllm_specstream.options import read_options
 from vllm_specstream.policy import SuffixStep
 from vllm_specstream.suffix_drafts import (
-    ENV_SUFFIX_DRAFTS,
     SuffixDraft,
     SuffixDrafts,
     SuffixSettings,
@@ -25,38 +24,36 @@ def test_option_values():
     assert np.isnan(suffix_min_score_from("on")) and np.isnan(suffix_min_score_from(" ON "))
     assert suffix_min_score_from("0") == 0.0 and suffix_min_score_from("1.5") == 1.5
     for bad in ("-1", "maybe", "nan"):
-        with pytest.raises(ConfigError, match=f"{ENV_SUFFIX_DRAFTS}='{bad}'"):
+        with pytest.raises(ConfigError, match=f"suffix_drafts='{bad}'"):
             suffix_min_score_from(bad)
 
 
-def test_options_read_it_only_when_speculating_and_refuse_it_beside_trees():
-    spec = SimpleNamespace(
-        method="custom_class",
-        model=None,
-        num_speculative_tokens=4,
-        num_speculative_tokens_per_batch_size=None,
-    )
-    config = SimpleNamespace(speculative_config=spec)
-    assert read_options(config, {ENV_SUFFIX_DRAFTS: "0.5"}).suffix_min_score == 0.5
-    assert read_options(None, {ENV_SUFFIX_DRAFTS: "0.5"}).suffix_min_score is None
-    with pytest.raises(ConfigError, match="unset SPECSTREAM_TREE_TOP_K or SPECSTREAM_SUFFIX"):
-        read_options(config, {ENV_SUFFIX_DRAFTS: "on", "SPECSTREAM_TREE_TOP_K": "2"})
-
-
-def _engine_config(suffix_drafts=None, k=4):
+def _engine_config(checkpoint=None, k=4, **fields):
+    """An engine config: the checkpoint's ``suffix_drafts`` default ``checkpoint`` (None:
+    none) and the engine's ``additional_config["specstream"]`` ``fields``."""
     spec = SimpleNamespace(
         method="custom_class",
         model=None,
         num_speculative_tokens=k,
         num_speculative_tokens_per_batch_size=None,
     )
-    section = {"num_streams": 4} | (
-        {} if suffix_drafts is None else {"suffix_drafts": suffix_drafts}
-    )
+    section = {"num_streams": 4} | ({} if checkpoint is None else {"suffix_drafts": checkpoint})
     hf_config = SimpleNamespace(specstream=section)
     return SimpleNamespace(
-        speculative_config=spec, model_config=SimpleNamespace(hf_config=hf_config)
+        speculative_config=spec,
+        model_config=SimpleNamespace(hf_config=hf_config),
+        additional_config={"specstream": fields},
     )
+
+
+def test_the_field_is_read_only_when_speculating_and_refused_beside_trees():
+    assert read_options(_engine_config(suffix_drafts=0.5), {}).suffix_min_score == 0.5
+    off = _engine_config(k=0, suffix_drafts=0.5)  # speculation off
+    assert read_options(off, {}).suffix_min_score is None
+    with pytest.raises(ConfigError, match="leave out tree_top_k or suffix_drafts"):
+        read_options(_engine_config(suffix_drafts="on", tree_top_k=2), {})
+    with pytest.raises(ConfigError, match=r"\['suffix_drafts'\]='maybe'"):
+        read_options(_engine_config(suffix_drafts="maybe"), {})
 
 
 @pytest.mark.parametrize("importable", [True, False])
@@ -64,25 +61,24 @@ def test_checkpoint_default_is_followed_unless_the_user_says_otherwise(monkeypat
     import vllm_specstream.options as options
 
     monkeypatch.setattr(options, "suffix_decoding_importable", lambda: importable)
-    on = _engine_config("on")
-    opts = read_options(on, {})
+    opts = read_options(_engine_config("on"), {})
     if importable:
         assert np.isnan(opts.suffix_min_score) and opts.suffix_from_checkpoint
         assert opts.suffix_skipped is None
     else:  # a default is never an error: the streams alone, and why
         assert opts.suffix_min_score is None and not opts.suffix_from_checkpoint
         assert "arctic-inference's suffix decoding is not importable" in opts.suffix_skipped
-        assert f"{ENV_SUFFIX_DRAFTS}=off to silence" in opts.suffix_skipped
-    # The variable wins either way (and an explicit 'on' without arctic-inference is the
+        assert '{"suffix_drafts": "off"}' in opts.suffix_skipped  # how to silence it
+    # The field wins either way (and an explicit 'on' without arctic-inference is the
     # front-end's error to raise: tests/unit/test_preflight.py).
-    user = read_options(on, {ENV_SUFFIX_DRAFTS: "off"})
+    user = read_options(_engine_config("on", suffix_drafts="off"), {})
     assert user.suffix_min_score is None and user.suffix_skipped is None
-    user = read_options(_engine_config("on"), {ENV_SUFFIX_DRAFTS: "0.5"})
+    user = read_options(_engine_config("on", suffix_drafts=0.5), {})
     assert user.suffix_min_score == 0.5 and not user.suffix_from_checkpoint
     # Draft trees asked for: the default yields to them, it is not refused.
-    trees = read_options(on, {"SPECSTREAM_TREE_TOP_K": "2"})
+    trees = read_options(_engine_config("on", tree_top_k=2), {})
     assert trees.suffix_min_score is None and trees.tree_top_k == (2,)
-    assert "SPECSTREAM_TREE_TOP_K asks for draft trees" in trees.suffix_skipped
+    assert "field tree_top_k asks for draft trees" in trees.suffix_skipped
     # A threshold, 'off', no default, no speculation.
     assert read_options(_engine_config("0.25"), {}).suffix_min_score == (
         0.25 if importable else None
@@ -223,17 +219,20 @@ class _Target(ProposerTarget):
         return super().draft_at(stash, rows, indices, num_streams)
 
 
-def _proposer(monkeypatch, cache, min_score="0.5"):
+def _proposer(monkeypatch, cache, min_score=0.5):
     from vllm_specstream import proposer as proposer_module
     from vllm_specstream.proposer import SpecStreamProposer
 
-    monkeypatch.setenv(ENV_SUFFIX_DRAFTS, min_score)
     monkeypatch.setattr(
         proposer_module, "SuffixDrafts", lambda settings, n: SuffixDrafts(settings, n, cache)
     )
     spec = SimpleNamespace(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=None)
     p = SpecStreamProposer(
-        SimpleNamespace(speculative_config=spec, model_config=SimpleNamespace(max_model_len=64))
+        SimpleNamespace(
+            speculative_config=spec,
+            model_config=SimpleNamespace(max_model_len=64),
+            additional_config={"specstream": {"suffix_drafts": min_score}},
+        )
     )
     p.load_model(_Target())
 

@@ -17,8 +17,6 @@ from vllm_specstream.model_executor.tree_step import (
     tree_problem,
 )
 from vllm_specstream.options import (
-    ENV_TREE_PRUNE,
-    ENV_TREE_TOP_K,
     SpecStreamOptions,
     draft_tree_of,
     read_options,
@@ -127,32 +125,33 @@ def test_tree_anchor_indices_use_the_samplers_offsets():
     assert tree_anchor_indices([0], [2], [0, 4], None) == [2]
 
 
+def _engine_config(k=6, **fields):
+    spec = SimpleNamespace(method="custom_class", model=None, num_speculative_tokens=k)
+    return SimpleNamespace(speculative_config=spec, additional_config={"specstream": fields})
+
+
 def test_tree_options_and_template_size():
-    assert tree_top_k_from({}) is None and tree_top_k_from({ENV_TREE_TOP_K: "0"}) is None
-    assert tree_top_k_from({ENV_TREE_TOP_K: "1,1"}) is None
-    assert tree_top_k_from({ENV_TREE_TOP_K: "3,2,1,1"}) == (3, 2, 1, 1)
-    with pytest.raises(ConfigError, match=ENV_TREE_TOP_K):
-        tree_top_k_from({ENV_TREE_TOP_K: "two"})
+    assert tree_top_k_from(None) is None and tree_top_k_from(0) is None
+    assert tree_top_k_from([1, 1]) is None
+    assert tree_top_k_from([3, 2, 1, 1]) == (3, 2, 1, 1) and tree_top_k_from(2) == (2,)
+    with pytest.raises(ConfigError, match=r"\['tree_top_k'\]='two'"):
+        tree_top_k_from("two")
     tree = draft_tree_of(SpecStreamOptions(8, tree_top_k=(2,)), 4)
     assert tree == tree_template(4, 2, max_nodes=8) and tree.parents[:4] == (-1, 0, 1, 2)
     with pytest.raises(ConfigError, match="exceeds the 4 nodes"):
         draft_tree_of(SpecStreamOptions(5, tree_top_k=(1, 1, 1, 1)), 4)
     with pytest.raises(ConfigError, match="one per stream"):
         draft_tree_of(SpecStreamOptions(5, tree_top_k=(2, 2)), 4)
-    spec = SimpleNamespace(
-        speculative_config=SimpleNamespace(
-            method="custom_class", model=None, num_speculative_tokens=6
-        )
-    )
-    assert read_options(spec, {ENV_TREE_TOP_K: "2"}).trees
-    assert not read_options(None, {ENV_TREE_TOP_K: "2"}).trees  # no speculation, no trees
-    # pruning: unset (the checkpoint's threshold), off, a threshold; bad values name the variable
-    assert read_options(spec, {}).tree_prune is None
-    assert read_options(spec, {ENV_TREE_PRUNE: "off"}).tree_prune == 0.0
-    assert read_options(spec, {ENV_TREE_PRUNE: "0.05"}).tree_prune == 0.05
-    for bad in ("1.5", "-0.1", "some"):
-        with pytest.raises(ConfigError, match=ENV_TREE_PRUNE):
-            read_options(spec, {ENV_TREE_PRUNE: bad})
+    assert read_options(_engine_config(tree_top_k=2), {}).trees
+    assert not read_options(_engine_config(), {}).trees
+    assert not read_options(_engine_config(k=0, tree_top_k=2), {}).trees  # no speculation
+    # pruning: unset (the checkpoint's threshold), off, a threshold; bad values name the field
+    assert read_options(_engine_config(), {}).tree_prune is None
+    assert read_options(_engine_config(tree_prune="off"), {}).tree_prune == 0.0
+    assert read_options(_engine_config(tree_prune=0.05), {}).tree_prune == 0.05
+    for bad in (1.5, -0.1, "some"):
+        with pytest.raises(ConfigError, match=r"\['tree_prune'\]"):
+            read_options(_engine_config(tree_prune=bad), {})
 
 
 def test_tree_sampling_reads_the_distribution_vllms_sampler_forms():

@@ -26,8 +26,17 @@ IN_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _llm(
-    ckpt: str, k: int = 0, placement=None, adaptive: bool = False, spec_options=None, **engine
+    ckpt: str,
+    k: int = 0,
+    placement=None,
+    adaptive: bool = False,
+    spec_options=None,
+    fields: dict | None = None,
+    **engine,
 ):
+    """``LLM(...)`` of ``ckpt`` drafting ``k`` (0: plain), configured as users configure it:
+    vLLM's ``speculative_config`` and the plugin's ``fields`` (with ``placement``) in
+    ``additional_config["specstream"]``."""
     from vllm import LLM
 
     from vllm_specstream import speculative_config
@@ -41,9 +50,10 @@ def _llm(
         engine.setdefault("distributed_executor_backend", "uni")
     kw = cpu_engine_kwargs(**{"dtype": "float32", "max_model_len": 1024, **engine})
     if k:
-        kw["speculative_config"] = speculative_config(
-            k, placement=placement, adaptive=adaptive, **(spec_options or {})
-        )
+        kw["speculative_config"] = speculative_config(k, adaptive=adaptive, **(spec_options or {}))
+    fields = {**(fields or {}), **({"placement": placement} if placement else {})}
+    if fields:
+        kw["additional_config"] = {"specstream": fields}
     return LLM(model=ckpt, **kw)
 
 
@@ -84,12 +94,13 @@ def generate(
     follow_up: int = 0,
     spec_options: dict | None = None,
     adaptive: bool = False,
+    fields: dict | None = None,
 ) -> dict:
     """Greedy outputs of ``requests`` (``"lora"``: an adapter directory, with
     ``enable_lora`` in ``engine``); with ``k``, drafting at every batch size (these runs
     check losslessness, not the policy) or, with ``adaptive``, as the policy chooses
-    (``spec_options``: further ``speculative_config`` fields, e.g. a schedule), and
-    per-request speculation metrics."""
+    (``spec_options``: further ``speculative_config`` fields, e.g. a schedule; ``fields``:
+    the plugin's), and per-request speculation metrics."""
     from vllm import SamplingParams
 
     extra = {"per_request_spec_decode_metrics": "summary"} if k else {}
@@ -99,6 +110,7 @@ def generate(
         placement,
         adaptive=adaptive,
         spec_options=spec_options,
+        fields=fields,
         disable_log_stats=False,
         **engine,
         **extra,
@@ -152,6 +164,7 @@ def probe(
     max_tokens: list[int],
     prompts: list[str],
     placement: str,
+    fields: dict | None = None,
 ) -> dict:
     """The model's last stash after each prompt decoded alone (``k = 3``); then, under a
     user's schedule (3 drafts alone, 2 for two requests, none from three), one prompt twice
@@ -167,6 +180,7 @@ def probe(
         3,
         placement,
         spec_options={"num_speculative_tokens_per_batch_size": schedule},
+        fields=fields,
         disable_log_stats=False,
     )
 
@@ -200,19 +214,19 @@ def probe(
     return {"probes": results, "pair": pair, "schedule_drafts": counted}
 
 
-def fail_to_start(ckpt: str, k: int) -> None:
+def fail_to_start(ckpt: str, k: int, fields: dict | None = None) -> None:
     """Start ``ckpt`` with ``k`` drafts as a user would; the tests expect it to fail."""
-    _llm(ckpt, k, adaptive=True, max_model_len=512)
+    _llm(ckpt, k, adaptive=True, fields=fields, max_model_len=512)
 
 
-def sample(ckpt: str, k: int, n: int, trees: bool = False) -> dict:
+def sample(ckpt: str, k: int, n: int, trees: bool = False, fields: dict | None = None) -> dict:
     """``n`` samples of 3 tokens at temperature 0.8 from one prompt. With ``trees``, ``n``
     more in the same batch that ask for logprobs (so they draft chains beside the trees:
     ``"chain_tokens"``) and the worker's tree counters (needs
     VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
     from vllm import SamplingParams
 
-    llm = _llm(ckpt, k, max_model_len=256)
+    llm = _llm(ckpt, k, fields=fields, max_model_len=256)
     params = SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True)
     batch = [params] * n
     if trees:

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 from engine_child import run_child
-from test_specstream_engine import TREE_ENV, make_requests, run_engine
-
-from vllm_specstream.options import ENV_DRAFT_MIN_PROB
+from test_specstream_engine import INSPECT_ENV, TREE_FIELDS, make_requests, run_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -38,7 +36,7 @@ def demo_runs(base_model_dir, tmp_path_factory):
     ]
     plain = run_engine(ckpt, 0, {}, requests)
     spec = run_engine(ckpt, 4, {}, requests)
-    confident = run_engine(ckpt, 4, {}, requests, env={ENV_DRAFT_MIN_PROB: "0.5"})
+    confident = run_engine(ckpt, 4, {}, requests, fields={"draft_min_prob": 0.5})
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
     return plain, spec, confident, run_engine(ckpt, 0, {"speculative_config": ngram}, requests)
 
@@ -67,7 +65,7 @@ def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
 
 
 def test_confidence_rule_drafts_less_and_stays_lossless(demo_runs):
-    """``SPECSTREAM_DRAFT_MIN_PROB``: shorter drafts, a larger share of them accepted, the
+    """Field ``draft_min_prob``: shorter drafts, a larger share of them accepted, the
     same outputs."""
     plain, spec, confident, _ = demo_runs
     assert confident["tokens"] == plain["tokens"]
@@ -142,7 +140,9 @@ def test_sampling_with_speculation_matches_plain_sampling(tiny_merged):
     n = 500
     plain = run_child("sample", ckpt=str(tiny_merged), k=0, n=n)[0]["tokens"]
     # One batch: n requests drafting trees and n asking for logprobs, drafting chains.
-    spec = run_child("sample", env=TREE_ENV, ckpt=str(tiny_merged), k=6, n=n, trees=True)[0]
+    spec = run_child(
+        "sample", env=INSPECT_ENV, ckpt=str(tiny_merged), k=6, n=n, trees=True, fields=TREE_FIELDS
+    )[0]
     assert spec["trees"]["tree_rows"] > n // 2  # the tree requests drafted trees
     for name in ("tokens", "chain_tokens"):
         for pos in (1, 2):

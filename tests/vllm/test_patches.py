@@ -439,7 +439,9 @@ def test_tree_runner_hooks_still_fit_vllm():
     # preparation (its arguments, the batch fields read after it), the module global the
     # runner builds its rejection sampler from, the scheduler output's drafts, the attention
     # backend registry, the CPU attention impl's forward, and the sampling parameters and
-    # top-k/top-p helper tree sampling at temperature > 0 reads. Applied only on request.
+    # top-k/top-p helper tree sampling at temperature > 0 reads. Applied by the proposer of
+    # an engine with trees, so the runner must build its proposer before its rejection
+    # sampler.
     out = run_python(
         "import inspect\n"
         "from vllm.v1.worker import gpu_model_runner as g\n"
@@ -448,7 +450,8 @@ def test_tree_runner_hooks_still_fit_vllm():
         "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E\n"
         "from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl as I\n"
         "print(list(inspect.signature(g.GPUModelRunner._prepare_inputs).parameters)[:3])\n"
-        "print('RejectionSampler(' in inspect.getsource(g.GPUModelRunner.__init__))\n"
+        "init = inspect.getsource(g.GPUModelRunner.__init__)\n"
+        "print(-1 < init.find('create_custom_proposer(') < init.find('RejectionSampler('))\n"
         "src = inspect.getsource(InputBatch.__init__)\n"
         "print('self.num_computed_tokens_cpu' in src, '_req_ids' in src)\n"
         "print('scheduled_spec_decode_tokens' in SchedulerOutput.__dataclass_fields__)\n"
@@ -461,8 +464,6 @@ def test_tree_runner_hooks_still_fit_vllm():
         "from vllm_specstream.plugin import register\n"
         "register()\n"
         "print(g.RejectionSampler.__name__, E.CPU_ATTN.get_path().rsplit('.', 1)[-1])\n"
-        "import os\n"
-        "os.environ['SPECSTREAM_TREE_TOP_K'] = '2'\n"
         "from vllm_specstream.patches import apply_patch\n"
         "from vllm_specstream.patches.tree_runner import TREE_RUNNER\n"
         "from vllm_specstream.vllm_version import ensure_supported_vllm\n"
@@ -480,7 +481,7 @@ def test_tree_runner_hooks_still_fit_vllm():
         "['self', 'layer', 'query', 'key', 'value', 'kv_cache', 'attn_metadata', 'output']"
     )
     assert lines[-3] == "True ['logits', 'k', 'p']"
-    # without SPECSTREAM_TREE_TOP_K nothing of vLLM's is replaced
+    # registration alone replaces nothing of vLLM's
     assert lines[-2] == "RejectionSampler CPUAttentionBackend"
     assert lines[-1] == "TreeRejectionSampler TreeCPUAttentionBackend True"
 
@@ -551,8 +552,6 @@ def test_proposer_runner_hook_still_fits_vllm():
         "from vllm_specstream.plugin import register\n"
         "register()\n"
         "print(getattr(c.CPUModelRunner.load_model, '__specstream_runner__', False))\n"
-        "import os\n"
-        "os.environ['SPECSTREAM_SUFFIX_DRAFTS'] = 'on'\n"
         "from vllm_specstream.patches import apply_patch\n"
         "from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER\n"
         "from vllm_specstream.vllm_version import ensure_supported_vllm\n"

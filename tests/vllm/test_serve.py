@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 from helpers import free_port, venv_script
 
-from vllm_specstream.options import ENV_TREE_TOP_K
-
 pytestmark = [pytest.mark.serve, pytest.mark.model]
 
 DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm2-ss4"
@@ -133,9 +131,10 @@ FIXED_SPEC = json.dumps(
 )
 
 
-#: Draft trees (``$SPECSTREAM_TREE_TOP_K``): the demo adapter's 4 streams, top-2 each, the
+#: Draft trees (field ``tree_top_k``): the demo adapter's 4 streams, top-2 each, the
 #: first 8 nodes of that tree at every batch size.
 TREE_NODES = 8
+TREE_FIELDS = json.dumps({"specstream": {"tree_top_k": 2}})
 TREE_SPEC = json.dumps(
     {
         "model": "specstream",
@@ -169,8 +168,7 @@ def servers(base_model_dir, tmp_path_factory):
         (
             demo,
             tmp / "tree.log",
-            (*DEMO_FLAGS, "--speculative-config", TREE_SPEC),
-            {ENV_TREE_TOP_K: "2"},
+            (*DEMO_FLAGS, "--speculative-config", TREE_SPEC, "--additional-config", TREE_FIELDS),
         ),
     ) as (base, spec, plain, tree):
         yield {

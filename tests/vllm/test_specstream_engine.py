@@ -13,7 +13,6 @@ from engine_child import CHILD, run_child
 
 from vllm_specstream.bench import has_suffix_decoding
 from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
-from vllm_specstream.options import ENV_STREAM_DTYPE, ENV_TREE_TOP_K
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
@@ -70,7 +69,8 @@ ENGINES = {
 
 
 def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=None, env=None, **kw):
-    """``engine_child.generate`` (``kw``: its further arguments, e.g. ``trees``)."""
+    """``engine_child.generate`` (``kw``: its further arguments, e.g. ``trees`` or the
+    plugin's ``fields``)."""
     result, out = run_child(
         "generate",
         env=env,
@@ -98,7 +98,10 @@ PLACEMENTS = ("window", "accepted")
 #: Placements run per engine setting (the default placement everywhere); "tree": draft
 #: trees verified in vLLM (6 nodes, top-2 per stream; ``test_tree_verification.py``).
 ENGINE_PLACEMENTS = {"default": PLACEMENTS, "chunked": ("window", "tree", "suffix")}
-TREE_ENV = {ENV_TREE_TOP_K: "2", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: The engine fields of a "tree" run, and its environment (the tests read the worker's tree
+#: counters through ``LLM.apply_model``).
+TREE_FIELDS = {"tree_top_k": 2}
+INSPECT_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 #: "suffix": chains with suffix-tree drafts wherever the trees have one (threshold 0, the
 #: checkpoint's ``specstream.suffix_drafts`` default: :func:`suffix_checkpoint`), the
 #: streams elsewhere; run where arctic-inference's suffix trees are built
@@ -142,7 +145,16 @@ def runs(request, tiny_merged, tmp_path_factory):
     if not has_suffix_decoding():
         placements = tuple(p for p in placements if p != "suffix")
     spec = {
-        p: run_engine(tiny_merged, 6, engine, requests, env=TREE_ENV, trees=True, **layout)
+        p: run_engine(
+            tiny_merged,
+            6,
+            engine,
+            requests,
+            env=INSPECT_ENV,
+            fields=TREE_FIELDS,
+            trees=True,
+            **layout,
+        )
         if p == "tree"
         else run_engine(
             suffix_checkpoint(tiny_merged, tmp_path_factory.mktemp("suffix") / "ckpt", "0"),
@@ -159,7 +171,7 @@ def runs(request, tiny_merged, tmp_path_factory):
             requests,
             # the chunked setting's window run takes the default placement (chosen for the CPU)
             None if (p, request.param) == ("window", "chunked") else p,
-            env={ENV_STREAM_DTYPE: STREAM_DTYPES[p]} if request.param == "default" else None,
+            fields={"stream_dtype": STREAM_DTYPES[p]} if request.param == "default" else None,
             **layout,
         )
         for p in placements
@@ -238,7 +250,7 @@ def test_stream_drafts_equal_the_training_implementation(request, placement, str
     training wrapper on the same checkpoint, at every anchor of the last forward: the
     prefill's last token (max_tokens=1) and a decode window with rejected drafts (9); with
     placement "accepted" the one anchor is the last accepted token. With the stream pass in
-    bf16 (``SPECSTREAM_STREAM_DTYPE``) the drafts may differ where the top-2 logits are
+    bf16 (field ``stream_dtype``) the drafts may differ where the top-2 logits are
     close: at least 80% agree; on a CPU without a bf16 GEMM the engine says it falls back
     and the drafts are exact. The same engine checks a user's batch-size schedule: with 2
     drafts per request only streams 1-2 run (and equal streams 1-2 of all), none at batch
@@ -255,7 +267,8 @@ def test_stream_drafts_equal_the_training_implementation(request, placement, str
     prompts = [r["prompt"] for r in make_requests(3, seed=1)]
     result, out = run_child(
         "probe",
-        env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", ENV_STREAM_DTYPE: stream_dtype},
+        env=INSPECT_ENV,
+        fields={"stream_dtype": stream_dtype},
         ckpt=str(tiny_merged),
         max_tokens=[1, 9],
         prompts=prompts,
@@ -366,7 +379,8 @@ def _half_hidden(ckpt: Path, tmp: Path) -> Path:
     return broken
 
 
-#: The broken setups a user meets, as (checkpoint from tiny_merged, k, the message).
+#: The broken setups a user meets, as (checkpoint from tiny_merged, k, the message[, the
+#: environment added, the plugin's fields]).
 #: The tiny checkpoint has num_streams 3 and hidden size 128.
 BROKEN_SETUPS = {
     "missing-stream-tensors": (
@@ -399,25 +413,33 @@ BROKEN_SETUPS = {
         2,
         "tensor specstream.stream_embeddings has shape [3, 64], expected [3, 128]",
     ),
-    "bad-stream-dtype-variable": (
+    "bad-stream-dtype-field": (
         lambda ckpt, tmp: ckpt,
         2,
-        "SPECSTREAM_STREAM_DTYPE='fp8': choose one of",
-        {"SPECSTREAM_STREAM_DTYPE": "fp8"},
+        "additional_config['specstream']['stream_dtype']='fp8': expected one of",
+        None,
+        {"stream_dtype": "fp8"},
+    ),
+    "retired-variable": (
+        lambda ckpt, tmp: ckpt,
+        2,
+        "SPECSTREAM_TREE_TOP_K is no longer read: set field 'tree_top_k'",
+        {"SPECSTREAM_TREE_TOP_K": "2"},
     ),
 }
 
 
 def last_line_of_failed_start(
-    ckpt: Path, k: int, front_end: str, env: dict | None = None
+    ckpt: Path, k: int, front_end: str, env: dict | None = None, fields: dict | None = None
 ) -> tuple[str, str]:
     """Start ``ckpt`` as a user would (``LLM(...)`` or ``vllm serve``, with ``env`` added to
-    the environment); it must fail. Returns the last non-empty line of the combined output,
-    and the whole output."""
+    the environment and the plugin's ``fields``); it must fail. Returns the last non-empty
+    line of the combined output, and the whole output."""
     from helpers import free_port, venv_script
 
     if front_end == "LLM":
-        cmd = [sys.executable, CHILD, "fail_to_start", json.dumps({"ckpt": str(ckpt), "k": k})]
+        args = {"ckpt": str(ckpt), "k": k, "fields": fields}
+        cmd = [sys.executable, CHILD, "fail_to_start", json.dumps(args)]
     else:
         cmd = [
             venv_script("vllm"),
@@ -437,6 +459,8 @@ def last_line_of_failed_start(
             "--port",
             str(free_port()),
         ]
+        if fields:
+            cmd += ["--additional-config", json.dumps({"specstream": fields})]
     out = subprocess.run(
         cmd,
         stdout=subprocess.PIPE,
@@ -452,8 +476,8 @@ def last_line_of_failed_start(
 
 #: ``vllm serve`` prints a front-end error as ``LLM()`` does whichever check raised it; it
 #: runs for one setup of each check (the checkpoint's files, the drafts asked for, the
-#: environment) to keep the suite's time, ``LLM()`` for every setup.
-SERVE_SETUPS = ("missing-stream-tensors", "k-above-num-streams", "bad-stream-dtype-variable")
+#: configuration) to keep the suite's time, ``LLM()`` for every setup.
+SERVE_SETUPS = ("missing-stream-tensors", "k-above-num-streams", "bad-stream-dtype-field")
 
 
 @pytest.mark.parametrize(
@@ -463,8 +487,8 @@ SERVE_SETUPS = ("missing-stream-tensors", "k-above-num-streams", "bad-stream-dty
 def test_broken_setup_names_the_cause_last(tiny_merged, tmp_path, setup, front_end):
     """Each broken setup fails in the front-end, before vLLM spawns an engine, and the last
     line a user sees is the error naming the file, field or flag and the fix."""
-    make, k, message, *env = BROKEN_SETUPS[setup]
-    last, log = last_line_of_failed_start(make(tiny_merged, tmp_path), k, front_end, *env)
+    make, k, message, *config = BROKEN_SETUPS[setup]
+    last, log = last_line_of_failed_start(make(tiny_merged, tmp_path), k, front_end, *config)
     assert message in last, log[-4000:]
     assert last.startswith("vllm_specstream.config.ConfigError: "), last
     assert "EngineCore" not in log, log[-4000:]  # no engine process was started

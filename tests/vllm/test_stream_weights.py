@@ -11,7 +11,6 @@ from vllm_specstream.model_executor.stream_weights import (
     onednn_available,
     packed_reason,
 )
-from vllm_specstream.options import ENV_STREAM_DTYPE
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="vLLM without oneDNN GEMM")
 needs_bf16_gemm = pytest.mark.skipif(
@@ -72,8 +71,8 @@ def test_packed_reason_rules(monkeypatch):
 
 
 def test_forced_bf16_falls_back_with_one_warning_where_it_cannot_run(monkeypatch, caplog):
-    """``SPECSTREAM_STREAM_DTYPE=bfloat16`` on a CPU without a bf16 GEMM: vLLM's modules, and
-    a warning that names the variable and the reason (was: the worker died in oneDNN)."""
+    """Field ``stream_dtype=bfloat16`` on a CPU without a bf16 GEMM: vLLM's modules, and
+    a warning that names the field and the reason (was: the worker died in oneDNN)."""
     import logging
 
     import vllm_specstream.model_executor.stream_weights as sw
@@ -94,7 +93,7 @@ def test_forced_bf16_falls_back_with_one_warning_where_it_cannot_run(monkeypatch
     assert got is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, caplog.text
-    assert f"{ENV_STREAM_DTYPE}=bfloat16 cannot be honoured" in warnings[0].getMessage()
+    assert "stream_dtype=bfloat16 cannot be honoured" in warnings[0].getMessage()
     assert "no bf16 GEMM" in warnings[0].getMessage()
 
 

@@ -7,13 +7,13 @@ from engine_child import run_child
 from test_lora_serving import _deployment
 from test_specstream_engine import _stash_rows_and_training_drafts, make_requests
 
-from vllm_specstream.options import ENV_STREAM_DTYPE
-
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
 
 #: ``LLM.apply_model`` (the stash snapshot) sends a function to the engine process.
-INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", ENV_STREAM_DTYPE: "model"}
+INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: Drafts in the served dtype, as the training implementation computes them.
+SAME_DRAFTS = {"stream_dtype": "model"}
 REQUESTS = [{"prompt": r["prompt"], "max_tokens": 16} for r in make_requests(3, seed=1)]
 
 
@@ -38,7 +38,7 @@ def test_drafts_are_the_training_wrappers_and_outputs_the_base_models(
         "lora_stash",
         ckpt=str(merged),
         k=3,
-        engine={"placement": placement},
+        engine={"placement": placement, "fields": SAME_DRAFTS},
         requests=REQUESTS,
         env=INSPECT,
     )[0]
@@ -120,7 +120,7 @@ def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
         "lora_stash",
         ckpt=str(base),
         k=3,
-        engine={**engine, "placement": "window"},
+        engine={**engine, "placement": "window", "fields": SAME_DRAFTS},
         requests=alone,
         env=INSPECT,
     )[0]

@@ -1,4 +1,4 @@
-"""Draft trees verified inside vLLM (``$SPECSTREAM_TREE_TOP_K``): lossless on real engines,
+"""Draft trees verified inside vLLM (field ``tree_top_k``): lossless on real engines,
 the accepted path's keys/values where vLLM keeps them, acceptance as the reference decoder's;
 on the same adapter, a window engine's chains as the adaptive policy drafts them. (Trees with chunked prefill, preemption and a short ``max_model_len``: the "tree" runs of
 ``test_specstream_engine.py``.)"""
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from test_specstream_engine import run_engine
 
-from vllm_specstream.options import ENV_STREAM_DTYPE, ENV_TREE_PRUNE, ENV_TREE_TOP_K
 from vllm_specstream.options import SCHEDULE_OPTION as SCHEDULE
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
@@ -17,13 +16,15 @@ pytestmark = [pytest.mark.engine, pytest.mark.model]
 E2E_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "e2e-smollm2-ss4"
 #: Two candidates per stream, 8 nodes: the top-1 chain of 4 and the 4 likeliest others.
 TOP_K, NODES = 2, 8
-TREES = {ENV_TREE_TOP_K: str(TOP_K), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+TREES = {"tree_top_k": TOP_K}
+#: The tests read the worker's tree counters (``LLM.apply_model``).
+INSPECT_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 #: The runs whose acceptance is compared with the reference decoder's compute their drafts
 #: in the served fp32, as the reference does: on a CPU with native bf16 the default stream
 #: pass uses bf16 weight copies, whose drafts differ from fp32 ones now and then (on an
 #: Intel AMX CPU +5.6% tokens per step over these 6 requests; in fp32 every request's equal).
 #: The "widths" run keeps the default, so bf16 stream passes stay under the lossless check.
-SAME_DRAFTS = {ENV_STREAM_DTYPE: "model"}
+SAME_DRAFTS = {"stream_dtype": "model"}
 #: Early-exit pruning (the adapter's trained pruning head) at a threshold that prunes some
 #: nodes of most trees and keeps others.
 PRUNE = 0.01
@@ -79,7 +80,8 @@ def e2e(base_model_dir, tmp_path_factory):
             NODES,
             engine,
             requests,
-            env=TREES | SAME_DRAFTS | {ENV_TREE_PRUNE: "off"},
+            env=INSPECT_ENV,
+            fields=TREES | SAME_DRAFTS | {"tree_prune": "off"},
             trees=True,
             follow_up=8,
         ),
@@ -89,7 +91,8 @@ def e2e(base_model_dir, tmp_path_factory):
             NODES,
             engine | {"max_num_batched_tokens": 64},
             requests,
-            env=TREES | SAME_DRAFTS | {ENV_TREE_PRUNE: str(PRUNE)},
+            env=INSPECT_ENV,
+            fields=TREES | SAME_DRAFTS | {"tree_prune": PRUNE},
             trees=True,
             follow_up=8,
         ),
@@ -102,7 +105,8 @@ def e2e(base_model_dir, tmp_path_factory):
             NODES,
             engine,
             requests,
-            env=TREES,
+            env=INSPECT_ENV,
+            fields=TREES,
             trees=True,
             spec_options={SCHEDULE: [(1, 11, NODES), (12, 64, 6)]},
         ),

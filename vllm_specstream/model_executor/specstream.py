@@ -33,7 +33,6 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.platforms import current_platform
 
-from vllm_specstream import PLACEMENT_PROPOSERS
 from vllm_specstream.config import ConfigError
 from vllm_specstream.cpu_env import single_thread_note
 from vllm_specstream.draft_trees import TreeTemplate, prune_nodes
@@ -80,9 +79,7 @@ from vllm_specstream.model_executor.tree_pruning import (
 )
 from vllm_specstream.model_executor.tree_step import WORKER_TREES, depth_positions
 from vllm_specstream.options import (
-    ENV_DRAFT_MIN_PROB,
-    ENV_TREE_PRUNE,
-    ENV_TREE_TOP_K,
+    PLACEMENTS,
     TREE_PRUNE_NO_ADAPTER,
     TREES_TP_ERROR,
     draft_tree_of,
@@ -99,8 +96,6 @@ from vllm_specstream.step_cost import cheaper_placement
 
 logger = init_logger(__name__)
 
-#: Where the streams run (see the module docstring); each has its proposer.
-PLACEMENTS = tuple(PLACEMENT_PROPOSERS)
 #: Window stream rows up to which a fused pass puts them through the LM head with the main
 #: rows; beyond, only the rows at the anchors the proposer reads go through it, in a call
 #: of their own. The call of their own reads the whole head again (one core, AVX2, fp32,
@@ -145,10 +140,9 @@ class SpecStreamMixin:
                 raise ConfigError(TREES_TP_ERROR.format(tp=tp_size))
             WORKER_TREES.bind_model(self)
             logger.info(
-                "specstream verifies draft trees: %d nodes (top-k per stream %s, %s)",
+                "specstream verifies draft trees: %d nodes (top-k per stream %s, field tree_top_k)",
                 self.tree.num_nodes,
                 list(self.tree.top_k),
-                ENV_TREE_TOP_K,
             )
         elif self.num_speculative_tokens > self.spec_config.num_streams:
             raise ConfigError(
@@ -182,9 +176,8 @@ class SpecStreamMixin:
         self.draft_min_prob = self.options.draft_min_prob
         if self.draft_min_prob > 0:
             logger.info(
-                "specstream drafts stop below cumulative stream probability %g (%s)",
+                "specstream drafts stop below cumulative stream probability %g (draft_min_prob)",
                 self.draft_min_prob,
-                ENV_DRAFT_MIN_PROB,
             )
         #: The pending stash of the last forward (taken, i.e. cleared, by the proposer) and
         #: why the last forward left none; ``last_stash`` stays for inspection only.
@@ -220,7 +213,7 @@ class SpecStreamMixin:
         self._draft_ids: torch.Tensor | None = None
 
     def _prune_threshold(self, vllm_config: VllmConfig) -> float:
-        """The tree-pruning threshold of this engine: ``$SPECSTREAM_TREE_PRUNE``, else the
+        """The tree-pruning threshold of this engine: field ``tree_prune``, else the
         checkpoint's ``prune.threshold`` if it has a pruning adapter, else 0 (off)."""
         prune = self.spec_config.prune
         threshold = self.options.tree_prune
@@ -243,10 +236,10 @@ class SpecStreamMixin:
             logger.warning("specstream tree pruning is off: %s", why)
             return 0.0
         logger.info(
-            "specstream prunes draft trees at layer %d below early-exit probability %g (%s)",
+            "specstream prunes draft trees at layer %d below early-exit probability %g "
+            "(tree_prune)",
             self.prune_layer,
             threshold,
-            ENV_TREE_PRUNE,
         )
         return threshold
 

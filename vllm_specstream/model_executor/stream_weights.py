@@ -6,7 +6,7 @@ On a CPU with native bf16 dot products (AVX512-BF16, AMX) an fp32 checkpoint's s
 then reads half the bytes of the top ``num_msa_layers`` layers and of the LM head: the LM head
 over 4 stream rows drops from ~4.6 to ~1.9 ms on a Zen 4 core.
 
-``SPECSTREAM_STREAM_DTYPE`` (:class:`vllm_specstream.options.SpecStreamOptions`) chooses:
+The engine's field ``stream_dtype`` (:class:`vllm_specstream.options.SpecStreamOptions`) chooses:
 
 * ``auto`` (default): bf16 copies when the platform is CPU, the model is fp32, the CPU has
   native bf16 and the model is not tensor-parallel; vLLM's modules otherwise.
@@ -33,7 +33,6 @@ from torch import nn
 
 from vllm_specstream.logger import init_logger
 from vllm_specstream.machine import native_bf16
-from vllm_specstream.options import ENV_STREAM_DTYPE
 
 logger = init_logger(__name__)
 
@@ -110,7 +109,7 @@ def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def packed_reason(mode: str, platform_is_cpu: bool, model_dtype, tp_size: int) -> str | None:
     """Why the stream pass keeps vLLM's modules under ``mode`` (None: use bf16 copies)."""
     if mode == "model":
-        return f"{ENV_STREAM_DTYPE}=model"
+        return "stream_dtype=model"
     if not platform_is_cpu:
         return "not a CPU platform"
     if tp_size != 1:
@@ -218,7 +217,7 @@ def build_stream_weights(
     model_dtype: torch.dtype,
     tp_size: int,
 ) -> StreamWeights | None:
-    """bf16 copies for the stream pass if ``mode`` (``$SPECSTREAM_STREAM_DTYPE``) and the
+    """bf16 copies for the stream pass if ``mode`` (field ``stream_dtype``) and the
     machine call for them and the weights are plain tensors; ``None`` keeps vLLM's modules."""
     if not all(hasattr(x, "self_attn") for x in layers):
         return None  # a pipeline-parallel rank without the MSA layers runs no streams
@@ -231,11 +230,9 @@ def build_stream_weights(
         if mode == "bfloat16":
             # Drafts only: the model's dtype gives the same outputs, so fall back, loudly.
             logger.warning(
-                "%s=bfloat16 cannot be honoured: %s; the stream pass runs in the model's "
-                "dtype (%s=auto picks the faster path by itself)",
-                ENV_STREAM_DTYPE,
+                "stream_dtype=bfloat16 cannot be honoured: %s; the stream pass runs in the "
+                "model's dtype (stream_dtype=auto picks the faster path by itself)",
                 reason,
-                ENV_STREAM_DTYPE,
             )
         else:
             logger.info("specstream stream pass in the model's dtype (%s)", reason)
@@ -243,9 +240,8 @@ def build_stream_weights(
     weights = StreamWeights.pack(layers, lm_head_weight)
     logger.info(
         "specstream stream pass in bf16: prepacked copies of %d layers and the LM head "
-        "(drafts only; outputs stay the model's; %s=model turns it off)",
+        "(drafts only; outputs stay the model's; stream_dtype=model turns it off)",
         len(layers),
-        ENV_STREAM_DTYPE,
     )
     return weights
 

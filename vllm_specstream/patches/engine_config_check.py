@@ -5,9 +5,9 @@ vLLM 0.32 builds and validates ``VllmConfig`` in the front-end process
 ``AsyncLLM.from_engine_args``) and only then starts the engine core and its workers, where
 the model is built and the ``custom_class`` proposer imported. Errors raised there reach the
 user inside several processes' tracebacks; raised here they are the last line printed. The
-wrapper below lets vLLM build the config, then runs
-:func:`vllm_specstream.preflight.check_setup` and, for a specstream engine,
-:func:`~vllm_specstream.preflight.check_options` on it. For a specstream engine on a CPU
+wrapper below lets vLLM build the config, then runs, for a specstream engine,
+:func:`~vllm_specstream.preflight.check_options` (its configuration) and
+:func:`vllm_specstream.preflight.check_setup` on it. For a specstream engine on a CPU
 without native bf16 it also acts on the dtype (:func:`vllm_specstream.preflight.dtype_advice`):
 with ``--dtype auto`` and a bf16 checkpoint the config is built in float32 (said once);
 with an explicit ``--dtype bfloat16``, a warning with the fix. ``register()`` applies it in
@@ -30,6 +30,7 @@ def check_vllm_config(vllm_config) -> None:
 
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
+    options = check_options(vllm_config) if _serves_specstream(vllm_config) else None
     check_setup(
         model=model_config.model,
         hf_config=model_config.hf_config,
@@ -42,9 +43,35 @@ def check_vllm_config(vllm_config) -> None:
         tensor_parallel_size=getattr(
             getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
         ),
+        options=options,
     )
-    if _serves_specstream(vllm_config):
-        check_options(vllm_config)
+    if options is not None and options.num_speculative_tokens and current_platform.is_cpu():
+        _bind_worker_threads(vllm_config)
+
+
+def _bind_worker_threads(vllm_config) -> None:
+    """Where the user chose no OpenMP binding and vLLM's would leave a speculating engine's
+    worker one thread, the engine processes (spawned after this) get every core
+    (:func:`vllm_specstream.cpu_env.speculation_binding`); said once."""
+    import os
+
+    from vllm_specstream.cpu_env import ENV_OMP_BIND, physical_cores, speculation_binding
+    from vllm_specstream.logger import init_logger
+
+    cores = physical_cores()
+    world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
+    binding = speculation_binding(os.environ, cores, world)
+    if binding is None:
+        return
+    os.environ[ENV_OMP_BIND] = binding
+    init_logger(__name__).info(
+        "vllm-specstream: %s=%s: vLLM's 'auto' binding would leave this speculating engine "
+        "1 OpenMP thread of %d cores, and speculative steps need more (set %s to choose)",
+        ENV_OMP_BIND,
+        binding,
+        cores,
+        ENV_OMP_BIND,
+    )
 
 
 def _serves_specstream(vllm_config) -> bool:

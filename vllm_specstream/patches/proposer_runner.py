@@ -1,5 +1,5 @@
 """Hands the model runner to the specstream proposer (applied by a proposer with suffix
-drafts, ``$SPECSTREAM_SUFFIX_DRAFTS`` or the checkpoint's ``specstream.suffix_drafts``).
+drafts, field ``suffix_drafts`` or the checkpoint's ``specstream.suffix_drafts``).
 
 vLLM 0.32 calls a ``custom_class`` proposer with the sampled tokens and the token table only,
 while its own ``suffix`` proposer gets the input batch: suffix trees are kept per request and

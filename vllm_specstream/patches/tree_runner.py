@@ -1,9 +1,9 @@
-"""Tree verification hooks in vLLM 0.32's model runner (applied only when trees are asked for,
-``$SPECSTREAM_TREE_TOP_K``).
+"""Tree verification hooks in vLLM 0.32's model runner (applied by the specstream proposer of
+an engine that asks for draft trees, field ``tree_top_k``).
 
 vLLM verifies drafts as chains only: its tree attention backend and tree sampler were
-removed. Three hooks add trees without editing vLLM's files, all in the worker before the
-runner is built (vLLM loads plugins there first):
+removed. Three hooks add trees without editing vLLM's files, all in the worker while the
+runner is built (it builds its proposer before its rejection sampler and its model):
 
 * ``GPUModelRunner._prepare_inputs`` (the CPU runner inherits it) is wrapped: once the step's
   inputs are prepared, the batch's request ids and scheduled drafts say which rows hold a

@@ -1,0 +1,198 @@
+"""The plugin's per-engine configuration: the fields of ``additional_config["specstream"]``,
+and the refusal of the environment variables and proposer classes they replace."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_specstream import PROPOSER, speculative_config
+from vllm_specstream.config import ConfigError
+from vllm_specstream.options import (
+    KEY,
+    RETIRED_VARIABLES,
+    SpecStreamOptions,
+    check_fields,
+    check_proposer,
+    fields_of,
+    read_options,
+)
+
+
+def engine(k=4, model=PROPOSER, **fields):
+    """An engine config speculating ``k`` drafts with ``model``, the plugin's ``fields``."""
+    spec = SimpleNamespace(
+        method="custom_class",
+        model=model,
+        num_speculative_tokens=k,
+        num_speculative_tokens_per_batch_size=None,
+    )
+    return SimpleNamespace(speculative_config=spec, additional_config={KEY: fields})
+
+
+def test_unset_fields_are_the_defaults():
+    for config in (engine(), SimpleNamespace(additional_config=None), SimpleNamespace()):
+        options = read_options(config, {})
+        assert options.placement is None and options.stream_dtype == "auto"
+        assert options.draft_min_prob == 0.0 and options.tree_top_k is None
+        assert options.tree_prune is None and options.suffix_min_score is None
+    assert check_fields(None) == SpecStreamOptions()
+    assert fields_of(SimpleNamespace(additional_config={"other_plugin": 1})) == {}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "attribute", "parsed"),
+    [
+        ("placement", "window", "placement", "window"),
+        ("placement", "accepted", "placement", "accepted"),
+        ("placement", None, "placement", None),
+        ("stream_dtype", "BFloat16", "stream_dtype", "bfloat16"),
+        ("stream_dtype", "model", "stream_dtype", "model"),
+        ("draft_min_prob", 0.25, "draft_min_prob", 0.25),
+        ("draft_min_prob", 0, "draft_min_prob", 0.0),
+        ("tree_top_k", 2, "tree_top_k", (2,)),
+        ("tree_top_k", [3, 2, 1, 1], "tree_top_k", (3, 2, 1, 1)),
+        ("tree_top_k", [1, 1, 1, 1], "tree_top_k", None),
+        ("tree_top_k", 0, "tree_top_k", None),
+        ("tree_prune", 0.05, "tree_prune", 0.05),
+        ("tree_prune", "off", "tree_prune", 0.0),
+        ("tree_prune", None, "tree_prune", None),
+        ("suffix_drafts", 0.5, "suffix_min_score", 0.5),
+        ("suffix_drafts", "1.5", "suffix_min_score", 1.5),
+        ("suffix_drafts", "off", "suffix_min_score", None),
+    ],
+)
+def test_each_field_is_parsed(field, value, attribute, parsed):
+    assert getattr(read_options(engine(**{field: value}), {}), attribute) == parsed
+
+
+def test_suffix_drafts_on_follows_the_streams_yield():
+    options = read_options(engine(suffix_drafts="on"), {})
+    assert math.isnan(options.suffix_min_score) and not options.suffix_from_checkpoint
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("placement", "middle"),
+        ("stream_dtype", "fp8"),
+        ("draft_min_prob", 1),
+        ("draft_min_prob", -0.1),
+        ("draft_min_prob", "high"),
+        ("draft_min_prob", True),
+        ("tree_top_k", "two"),
+        ("tree_top_k", [2, 0]),
+        ("tree_top_k", []),
+        ("tree_top_k", 1.5),
+        ("tree_prune", 1.5),
+        ("tree_prune", "some"),
+        ("suffix_drafts", "always"),
+        ("suffix_drafts", -1),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_field(field, value):
+    with pytest.raises(ConfigError) as refused:
+        read_options(engine(**{field: value}), {})
+    message = str(refused.value)
+    assert message.startswith(f"additional_config['specstream'][{field!r}]={value!r}: expected")
+    # refused by the front-end's check of the section alone too, speculating or not
+    with pytest.raises(ConfigError, match=f"{field!r}"):
+        check_fields({KEY: {field: value}})
+
+
+def test_an_unknown_field_is_refused_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['tree_topk'\]") as refused:
+        read_options(engine(tree_topk=2), {})
+    assert "did you mean 'tree_top_k'?" in str(refused.value)
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['zzz'\]; the fields are \["):
+        check_fields({KEY: {"zzz": 1}})
+
+
+def test_a_section_that_is_not_a_mapping_is_refused():
+    with pytest.raises(ConfigError, match=r"additional_config\['specstream'\] must be a mapping"):
+        read_options(SimpleNamespace(additional_config={KEY: "tree_top_k=2"}), {})
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        check_fields({KEY: [("tree_top_k", 2)]})
+
+
+def test_suffix_drafts_and_trees_are_refused_together():
+    with pytest.raises(ConfigError, match="leave out tree_top_k or suffix_drafts"):
+        read_options(engine(tree_top_k=2, suffix_drafts="on"), {})
+    assert read_options(engine(tree_top_k=2, suffix_drafts="off"), {}).trees
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "translated"),
+    [
+        ("SPECSTREAM_STREAM_DTYPE", "bfloat16", '{"stream_dtype": "bfloat16"}'),
+        ("SPECSTREAM_DRAFT_MIN_PROB", "0.3", '{"draft_min_prob": 0.3}'),
+        ("SPECSTREAM_TREE_TOP_K", "3,2,1,1", '{"tree_top_k": [3, 2, 1, 1]}'),
+        ("SPECSTREAM_TREE_TOP_K", "2", '{"tree_top_k": 2}'),
+        ("SPECSTREAM_TREE_PRUNE", "off", '{"tree_prune": "off"}'),
+        ("SPECSTREAM_SUFFIX_DRAFTS", "on", '{"suffix_drafts": "on"}'),
+    ],
+)
+def test_a_retired_variable_is_refused_naming_its_field(variable, value, translated):
+    field = RETIRED_VARIABLES[variable]
+    config = engine()
+    with pytest.raises(ConfigError) as refused:
+        read_options(config, {variable: value})
+    message = str(refused.value)
+    assert message.startswith(f"{variable} is no longer read: set field {field!r}")
+    assert f'additional_config={{"specstream": {translated}}}' in message
+    assert f"--additional-config '{{\"specstream\": {translated}}}'" in message
+    assert message.endswith(f"unset {variable}")
+    # whether or not the engine config was read before, and without speculation too
+    read_options(config, {})
+    with pytest.raises(ConfigError, match=f"{variable} is no longer read"):
+        read_options(config, {variable: value})
+    with pytest.raises(ConfigError, match=f"{variable} is no longer read"):
+        read_options(None, {variable: value})
+
+
+def test_retired_variables_are_read_from_the_process_by_default(monkeypatch):
+    for variable in RETIRED_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    config = engine(tree_top_k=2)
+    assert read_options(config).trees
+    monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "2")
+    with pytest.raises(ConfigError, match="SPECSTREAM_TREE_TOP_K is no longer read"):
+        read_options(config)
+
+
+def test_a_retired_proposer_class_is_refused_naming_its_placement():
+    retired = "vllm_specstream.proposer.WindowSpecStreamProposer"
+    with pytest.raises(ConfigError) as refused:
+        read_options(engine(model=retired), {})
+    message = str(refused.value)
+    assert f"model={retired!r} was removed: use {PROPOSER!r}" in message
+    assert "placement='window'" in message and '{"specstream": {"placement": "window"}}' in message
+    with pytest.raises(ConfigError, match="placement='accepted'"):
+        check_proposer("vllm_specstream.proposer.AcceptedSpecStreamProposer")
+    check_proposer(PROPOSER)
+    check_proposer(None)
+    check_proposer("my.Proposer")
+
+
+def test_speculative_config_leaves_the_plugins_fields_to_additional_config():
+    assert speculative_config(4)["model"] == PROPOSER
+    assert speculative_config(4)["num_speculative_tokens"] == 4
+    with pytest.raises(ValueError) as refused:
+        speculative_config(4, tree_top_k=2)
+    message = str(refused.value)
+    assert "tree_top_k is a field of the plugin" in message
+    assert "additional_config={'specstream': {'tree_top_k': 2}}" in message
+    with pytest.raises(ValueError, match="placement, stream_dtype are fields.*additional_config"):
+        speculative_config(4, placement="window", stream_dtype="model")
+
+
+def test_a_bad_checkpoint_default_names_the_checkpoints_config():
+    config = engine()
+    config.model_config = SimpleNamespace(
+        model="/ckpt", hf_config=SimpleNamespace(specstream={"suffix_drafts": "always"})
+    )
+    with pytest.raises(ConfigError, match=r"/ckpt config.json \(specstream\): suffix_drafts"):
+        read_options(config, {})
+    # The engine's own field wins and is the one read.
+    config.additional_config = {KEY: {"suffix_drafts": "off"}}
+    assert read_options(config, {}).suffix_min_score is None
