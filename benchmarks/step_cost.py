@@ -22,7 +22,7 @@ vocabulary: what each choice costs beside the default's.
 
     .venv/bin/python benchmarks/step_cost.py CKPT [--ks 1,2,3,4] [--batch-sizes 1,4,16,32]
         [--task sql --data FILE] [--placement window] [--idle] [--control]
-        [--out benchmarks/results/step-cost/interleaved]
+        [--out runs/step-cost]
 
 The engines compute on one core unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise (the
 tables' setting; ``nobind``: both cores). Measure with nothing else running: a busy second
@@ -43,13 +43,37 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model
 
-from bs1_child import keep_proposers, rotated  # noqa: E402
 from profile_step import preload_iomp_and_reexec, task_prompts_cycled  # noqa: E402
 
 from vllm_specstream.machine import cpu_class, describe_machine  # noqa: E402
 
 #: Each engine's KV cache: several engines share the machine's memory.
 KV_CACHE_BYTES = 1 << 30
+
+
+def rotated(order: list[str], turn: int) -> list[str]:
+    """The engines of ``order`` in the order of interleaved turn ``turn``: rotated by
+    ``turn``, reversed every other full cycle, so that over two cycles each engine runs in
+    each position, before and after each other engine, equally often."""
+    r = turn % len(order)
+    out = order[r:] + order[:r]
+    return out[::-1] if (turn // len(order)) % 2 else out
+
+
+def keep_proposers() -> list:
+    """A list that every specstream proposer built in this process from now on joins once
+    vLLM has loaded its model (to set its rules between requests)."""
+    from vllm_specstream.proposer import SpecStreamProposer
+
+    proposers: list[SpecStreamProposer] = []
+    load_model = SpecStreamProposer.load_model
+
+    def keep(self, target_model):
+        load_model(self, target_model)
+        proposers.append(self)
+
+    SpecStreamProposer.load_model = keep
+    return proposers
 
 
 class StepClock:
@@ -140,7 +164,7 @@ def main() -> None:
         action="store_true",
         help="also, per k, an engine ignoring the checkpoint's draft vocabulary",
     )
-    ap.add_argument("--out", default="benchmarks/results/step-cost/interleaved")
+    ap.add_argument("--out", default="runs/step-cost", help="CLASS[-PLACEMENT].json goes here")
     args = ap.parse_args()
     preload_iomp_and_reexec()
 

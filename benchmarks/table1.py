@@ -2,11 +2,11 @@
 method (speedup at batch 1, call reduction, task metric, extra parameters), beside the
 paper's OPT-1.3b call reductions, as Markdown and a plot.
 
-Reads, per task, the ``bench.json`` of one ``specstream bench`` run under
-``benchmarks/results/<task>/`` (:attr:`Task.runs`: per CPU class, the run with the engine on
-both cores and every method beside specstream) and the ``eval-<model>.json`` files of
-``specstream eval`` on the same validation split, from the bench run's directory, else the
-served adapter's (:attr:`Task.evals`), else the task's:
+Reads, per task and CPU class, the ``bench.json`` of one ``specstream bench`` run,
+``benchmarks/results/<task>/<cpu-class>/bench.json`` (:attr:`Task.runs`: the run with the
+engine on both cores and every method beside specstream) and the ``eval-<model>.json`` files
+of ``specstream eval`` on the same validation split, from the bench run's directory, else the
+served adapter's (:attr:`Task.evals`), else the task's (``benchmarks/results/<task>/``):
 ``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
 ``eval-ntp.json`` (the next-token LoRA baseline's metric). Missing files give missing rows.
 
@@ -54,29 +54,13 @@ class Task:
 #: The CPU classes with a table (the first: ``table1.md``).
 CPU_CLASSES = ("avx2", "avx512_bf16")
 
+#: Each class's run of every task: ``<task>/<cpu-class>/bench.json``.
+RUNS = tuple((cpu_class, f"{cpu_class}/bench.json") for cpu_class in CPU_CLASSES)
+
 TASKS = (
-    Task(
-        "sql",
-        "SQL (Spider, unseen database)",
-        ("exact_match",),
-        3.57,
-        (("avx2", "nobind/bench.json"), ("avx512_bf16", "avx512_bf16/methods/bench.json")),
-    ),
-    Task(
-        "e2e",
-        "E2E NLG (unseen MRs)",
-        ("rouge1", "rougeLsum"),
-        3.72,
-        (("avx2", "ss4/bench.json"), ("avx512_bf16", "avx512_bf16/medusa/bench.json")),
-        evals="ss4",
-    ),
-    Task(
-        "dialogsum",
-        "DialogSum (unseen dialogues)",
-        ("rouge1", "rougeLsum"),
-        2.62,
-        (("avx2", "nobind/bench.json"), ("avx512_bf16", "avx512_bf16/methods/bench.json")),
-    ),
+    Task("sql", "SQL (Spider, unseen database)", ("exact_match",), 3.57, RUNS),
+    Task("e2e", "E2E NLG (unseen MRs)", ("rouge1", "rougeLsum"), 3.72, RUNS),
+    Task("dialogsum", "DialogSum (unseen dialogues)", ("rouge1", "rougeLsum"), 2.62, RUNS),
 )
 #: Methods of ``specstream bench`` in the table, in the bench's order (``plain-control``: a
 #: second plain engine, the run's noise floor); the fixed-schedule and pruned-tree variants are
@@ -113,8 +97,6 @@ def task_rows(task: Task, results: Path, cpu_class: str = CPU_CLASSES[0]) -> lis
     if run is None:
         return []
     bench = _read(results / task.name / run)
-    if bench is None and cpu_class == CPU_CLASSES[0]:  # an earlier run in the task's directory
-        bench = _read(results / task.name / "bench.json")
     # The evaluations of the adapter the bench ran: beside its bench.json, else where the
     # served adapter's are, else the task's (each directory read once: they may coincide).
     here = results / task.name

@@ -14,14 +14,21 @@ REPO = Path(__file__).resolve().parents[1]
 def load_benchmark(name: str, register: bool = False):
     """``benchmarks/NAME.py`` as a module (the scripts there are not a package);
     ``register``: also put it in ``sys.modules`` first (dataclasses look their module up
-    there), for the caller to remove."""
+    there), for the caller to remove. Loaded with ``benchmarks/`` on ``sys.path`` (the
+    scripts import each other) and ``os.environ`` restored after (the engine scripts set
+    vLLM's variables when imported)."""
     import importlib.util
+    from unittest import mock
 
     spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     if register:
         sys.modules[name] = module
-    spec.loader.exec_module(module)
+    with (
+        mock.patch.dict(os.environ),
+        mock.patch.object(sys, "path", [str(REPO / "benchmarks"), *sys.path]),
+    ):
+        spec.loader.exec_module(module)
     return module
 
 

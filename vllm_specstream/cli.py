@@ -1,4 +1,4 @@
-"""The ``specstream`` command: prepare models, set up vLLM's CLI, (later) train and evaluate.
+"""The ``specstream`` command: prepare the base model, train, export, evaluate, benchmark, deploy.
 
 Each subcommand imports what it needs only when it runs, so ``specstream --help`` is fast.
 """
@@ -18,7 +18,8 @@ _DESCRIPTION = f"""\
 vllm-specstream {__version__}: Speculative Streaming (arXiv 2402.11131) for vLLM {SUPPORTED_VLLM}.
 
 Serve a specstream checkpoint with vLLM itself (`vllm serve CKPT ...` or `LLM(model=CKPT)`);
-this command prepares models and the environment around it.
+this command trains and exports checkpoints, evaluates and benchmarks them, and prepares the
+environment around vLLM.
 """
 
 

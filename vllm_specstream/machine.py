@@ -11,7 +11,7 @@ from functools import cache
 #: with native bf16 dot products (AVX512-BF16); AMX tiles too (oneDNN runs the stream pass's
 #: bf16 GEMMs of many rows on them: on one Intel Xeon, 4 drafts for 16-32 requests cost ~0.8x
 #: the extra time they do there with AMX off, at batch 1 the same;
-#: ``benchmarks/results/step-cost/avx512_bf16-intel-amx/``).
+#: ``docs/benchmarks.md``, "AMX").
 CPU_CLASSES = ("avx2", "avx512", "avx512_bf16", "amx")
 
 

@@ -600,7 +600,7 @@ class DraftPolicy:
     estimates are each off by several percent on a small VM (engines differ by +-7% from one
     start to the next), a step that drafts nothing still costs ~1% more than plain vLLM's,
     and a request's prefill runs the streams at its last token. On Spider at batch 1 (AVX2)
-    a 3% margin ran at 0.85x plain, this one at 0.95x (``benchmarks/README.md``)."""
+    a 3% margin ran at 0.85x plain, this one at 0.95x (``docs/benchmarks.md``)."""
     probe_every: int = 64
     """Idle steps between probes at the least."""
     explore_budget: float = 0.01

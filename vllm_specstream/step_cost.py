@@ -77,7 +77,7 @@ class StepCostTable:
         its ratio's share per row). At batch 1 a step reads every weight whatever its rows,
         so extra rows cost far less than a proportional share: top-2 trees of 16 nodes on
         E2E cost 3.7 plain steps at batch 1 and 6.9 at batch 16 on the AVX2 CPU of the
-        ``accepted`` table (``benchmarks/results/e2e/tree-pruning/``, tokens per step over
+        ``accepted`` table (``docs/benchmarks.md``, "Draft trees and pruning"; tokens per step over
         speedup), this slope says 3.7 and 9.7, a proportional share 8.0 and 14.7."""
         known = sorted(self.ratios)
         lo, hi = known[0], known[-1]
@@ -121,7 +121,8 @@ _AMX_SOURCE = (
 _BATCH_SIZES = (1, 4, 16, 32)
 
 #: (CPU class, placement) -> (draft length -> cost ratio per batch size, source), from
-#: ``benchmarks/results/step-cost/``, made non-decreasing in k (more drafts never cost less):
+#: ``benchmarks/step_cost.py`` runs (``docs/benchmarks.md``), made non-decreasing in k (more
+#: drafts never cost less):
 #: the AVX2 ones keep each cell's fastest round and raise a cell below the one before it;
 #: the interleaved AVX-512 and AMX ones lower a cell above a longer draft's (a step with more
 #: drafts does all a shorter one does, so its median bounds the shorter one's).

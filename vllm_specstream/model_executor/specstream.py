@@ -100,7 +100,7 @@ logger = init_logger(__name__)
 #: rows; beyond, only the rows at the anchors the proposer reads go through it, in a call
 #: of their own. The call of their own reads the whole head again (one core, AVX2, fp32,
 #: 49k-token head: +7.8 ms for 1 row); riding along costs per row (+5.3 ms for 6 rows,
-#: +14.3 for 20, +60.2 for 80: benchmarks/results/stream-logits/avx2.txt).
+#: +14.3 for 20, +60.2 for 80: docs/benchmarks.md, "The streams' LM head").
 FUSED_STREAM_LOGITS_ROWS = 16
 
 

@@ -4,7 +4,7 @@
 shrink and an expand op through several Python layers (a float32 buffer, views, the
 prefill/decode dispatch), and each op sorts the tokens by adapter again. On an AVX2 CPU that
 is 74 ms of a 145 ms decode step at batch 1 with two adapters (a plain step of the same base:
-49 ms; ``benchmarks/README.md``, "Many adapters on one server"). The replacement groups the
+49 ms; ``docs/benchmarks.md``, "Many adapters on one server"). The replacement groups the
 step's tokens by adapter once (again only when vLLM rewrites its token index tensor) and adds
 each slice's ``(x @ A^T * scale) @ B^T`` per group with two matmuls; tokens without an adapter
 (index -1) get nothing, as ``patches/cpu_lora_ops.py`` makes the ops do. The arithmetic is
