@@ -29,7 +29,7 @@ def child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_specstream.base_model import prepare_base
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.patches.cpu_env import cpu_engine_kwargs
 
     llm = LLM(model=str(prepare_base(progress=False)), **cpu_engine_kwargs())
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

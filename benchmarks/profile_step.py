@@ -66,7 +66,7 @@ def preload_iomp_and_reexec() -> None:
     spawned workers get it from the plugin); without it spec decoding on CPU is far slower."""
     import sys
 
-    from vllm_specstream.cpu_env import find_iomp, iomp_preload_value
+    from vllm_specstream.patches.cpu_env import find_iomp, iomp_preload_value
 
     iomp = find_iomp()
     value = iomp and iomp_preload_value(os.environ.get("LD_PRELOAD", ""), iomp)
@@ -151,10 +151,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_specstream import speculative_config
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
     from vllm_specstream.model_executor import specstream as ss
     from vllm_specstream.model_executor import stream_forward as sf
-    from vllm_specstream.proposer import SpecStreamProposer
+    from vllm_specstream.model_executor.proposer import SpecStreamProposer
+    from vllm_specstream.patches.cpu_env import cpu_engine_kwargs
 
     wrap(ss.SpecStreamMixin, "forward", "model.forward (main + hook)")
     wrap(ss.SpecStreamMixin, "_run_streams", "streams: total")
@@ -165,8 +165,8 @@ def main() -> None:
     wrap(SpecStreamProposer, "propose", "proposer.propose")
     # draft trees (field tree_top_k): node rows redone per layer, acceptance and KV
     # moves, early-exit pruning
-    from vllm_specstream.model_executor import tree_attention as ta
-    from vllm_specstream.model_executor import tree_sampler as ts
+    from vllm_specstream.model_executor.trees import attention as ta
+    from vllm_specstream.model_executor.trees import sampler as ts
 
     wrap(ta, "redo_tree_rows", "trees: node rows redone (all layers)")
     wrap(ts.TreeRejectionSampler, "forward", "trees: sampler (accept + KV move)")

@@ -8,7 +8,7 @@ on every engine alike. A step runs from one ``execute_model`` call of an engine 
 (the forward, sampling, the proposer, vLLM's scheduling); kept are the decode steps of
 exactly ``b`` requests, none joining, each request verifying k drafts (plain: none). A cell
 is the median, over the groups, of a group's median step time of k over plain's.
-These ratios are what ``vllm_specstream.step_cost`` keeps per CPU class: the adaptive
+These ratios are what ``vllm_specstream.speculation.step_cost`` keeps per CPU class: the adaptive
 policy weighs them against the tokens a step is expected to yield.
 
 ``--idle`` adds the default adaptive engine with its policy told that nothing pays: every
@@ -63,7 +63,7 @@ def rotated(order: list[str], turn: int) -> list[str]:
 def keep_proposers() -> list:
     """A list that every specstream proposer built in this process from now on joins once
     vLLM has loaded its model (to set its rules between requests)."""
-    from vllm_specstream.proposer import SpecStreamProposer
+    from vllm_specstream.model_executor.proposer import SpecStreamProposer
 
     proposers: list[SpecStreamProposer] = []
     load_model = SpecStreamProposer.load_model
@@ -172,11 +172,11 @@ def main() -> None:
     from vllm.v1.worker import gpu_model_runner as gmr
 
     from vllm_specstream import speculative_config
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
     from vllm_specstream.model_executor.specstream import (
         fuse_all_stream_logits,
         whole_vocab_drafts,
     )
+    from vllm_specstream.patches.cpu_env import cpu_engine_kwargs
 
     ks = [int(k) for k in args.ks.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]

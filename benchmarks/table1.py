@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_specstream.bench import METHODS as BENCH_METHODS
+from vllm_specstream.bench.bench import METHODS as BENCH_METHODS
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -38,7 +38,7 @@ def cpu_name() -> str:
 
 def train_args(args, fast: bool):
     from vllm_specstream.base_model import prepare_base
-    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.checkpoint.config import SpecStreamConfig
     from vllm_specstream.training.checkpoint import LoraSettings
     from vllm_specstream.training.train import TrainArgs
 

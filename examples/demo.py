@@ -101,7 +101,7 @@ def generate(
     from vllm import LLM, SamplingParams
 
     from vllm_specstream import speculative_config
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.patches.cpu_env import cpu_engine_kwargs
 
     kw = cpu_engine_kwargs(dtype="float32")  # fp32: greedy outputs comparable token for token
     if k:
@@ -161,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm_specstream.base_model import prepare_base
-    from vllm_specstream.engine_log import default_log, output_to
+    from vllm_specstream.bench.engine_log import default_log, output_to
 
     args_file = args.adapter / "train_args.json"
     if not args_file.is_file():

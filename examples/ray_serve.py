@@ -1,6 +1,6 @@
 """A specstream checkpoint served by N vLLM replicas with Ray Serve, behind one OpenAI endpoint.
 
-Deploys the checkpoint (``vllm_specstream.ray_serve.build_app``), asks ``-n`` questions of the
+Deploys the checkpoint (``vllm_specstream.ray.serve.build_app``), asks ``-n`` questions of the
 built-in SQL test split at once (greedy, ``/v1/chat/completions``), prints the answers and how
 many requests each replica served; optionally runs Ray Data batch
 inference over a JSONL of ``{"prompt": ...}`` records through the replicas, or keeps serving
@@ -64,8 +64,8 @@ def chat(url: str, messages: list[dict], max_tokens: int) -> str:
 def serve_and_query(args: argparse.Namespace, config) -> None:
     from ray import serve
 
-    from vllm_specstream.ray_data import BatchConfig, generate_jsonl, serve_processor
-    from vllm_specstream.ray_serve import build_app, server_deployment_name
+    from vllm_specstream.ray.data import BatchConfig, generate_jsonl, serve_processor
+    from vllm_specstream.ray.serve import build_app, server_deployment_name
     from vllm_specstream.training.tasks import build_task, to_example
 
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from vllm_specstream.ray_data import BatchConfig, engine_processor, generate_jsonl
-    from vllm_specstream.ray_serve import SpecStreamServeConfig
+    from vllm_specstream.ray.data import BatchConfig, engine_processor, generate_jsonl
+    from vllm_specstream.ray.serve import SpecStreamServeConfig
 
     config = SpecStreamServeConfig(
         args.checkpoint,

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 SUPPORTED_VLLM = ">=0.32.0,<0.33"
 
 #: The ``custom_class`` proposer that serves speculative-streaming drafts to vLLM.
-PROPOSER = "vllm_specstream.proposer.SpecStreamProposer"
+PROPOSER = "vllm_specstream.model_executor.proposer.SpecStreamProposer"
 
 
 def speculative_config(
@@ -24,14 +24,14 @@ def speculative_config(
 
     ``num_speculative_tokens`` may be at most the checkpoint's ``num_streams``.
     ``adaptive``: draft as many tokens as pay at each step, from the step cost measured on
-    this CPU class and the acceptance seen so far (:mod:`vllm_specstream.policy`), or by
+    this CPU class and the acceptance seen so far (:mod:`vllm_specstream.speculation.policy`), or by
     ``num_speculative_tokens_per_batch_size`` in ``options`` (vLLM's batch-size schedule);
     False drafts ``num_speculative_tokens`` at every batch size. ``options`` are further
     fields of vLLM's ``SpeculativeConfig``. The plugin's own fields (placement, draft
     trees, ...) go to ``LLM(..., additional_config={"specstream": {...}})``
-    (:mod:`vllm_specstream.options`).
+    (:mod:`vllm_specstream.speculation.options`).
     """
-    from vllm_specstream.options import FIELDS, KEY
+    from vllm_specstream.speculation.options import FIELDS, KEY
 
     mine = sorted(set(options) & set(FIELDS))
     if mine:

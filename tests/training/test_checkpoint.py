@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny import tiny_llama
 
-from vllm_specstream.config import ConfigError, PruneConfig, SpecStreamConfig
+from vllm_specstream.checkpoint.config import ConfigError, PruneConfig, SpecStreamConfig
 from vllm_specstream.training.checkpoint import (
     STREAM_FILE,
     LoraSettings,

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from tiny import tiny_llama
 
-from vllm_specstream.config import ConfigError, SpecStreamConfig
-from vllm_specstream.draft_vocab import draft_vocab_ids, draft_vocab_mask, mask_token_ids
+from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
+from vllm_specstream.checkpoint.draft_vocab import draft_vocab_ids, draft_vocab_mask, mask_token_ids
 from vllm_specstream.training.checkpoint import (
     STREAM_FILE,
     LoraSettings,

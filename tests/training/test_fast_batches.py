@@ -9,7 +9,7 @@ import torch
 from test_train import args_for, tiny_base  # noqa: F401 (fixture)
 from tiny import tiny_llama
 
-from vllm_specstream.config import PruneConfig, SpecStreamConfig
+from vllm_specstream.checkpoint.config import PruneConfig, SpecStreamConfig
 from vllm_specstream.training.fast_batches import (
     first_trainable_layer,
     pack_batch,

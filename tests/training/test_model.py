@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny import tiny_llama
 
-from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
 from vllm_specstream.training.model import SpecStreamModel
 
 
@@ -122,7 +122,7 @@ def test_too_many_msa_layers_is_refused():
 def test_stream_tensors_are_the_configs(init_rank, prune):
     """Names and shapes come from ``SpecStreamConfig.stream_tensor_shapes`` (as in checkpoints
     and in vLLM); the adapters start as the identity (B = 0), absent ones read as None."""
-    from vllm_specstream.config import PruneConfig
+    from vllm_specstream.checkpoint.config import PruneConfig
 
     config = SpecStreamConfig(
         num_streams=3, num_msa_layers=2, init_rank=init_rank, prune=PruneConfig(enabled=prune)

@@ -1,6 +1,6 @@
 import json
 
-from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.checkpoint.config import SpecStreamConfig
 from vllm_specstream.training.model_card import main
 
 

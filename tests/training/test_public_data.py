@@ -268,7 +268,8 @@ def test_eval_cases_take_the_held_out_part_with_all_references(tmp_path):
 
 
 def test_cli_task_and_split_arguments():
-    from vllm_specstream.cli import _train_task, build_parser
+    from vllm_specstream.cli import build_parser
+    from vllm_specstream.cli.train import _train_task
 
     parser = build_parser()
     args = parser.parse_args(
@@ -289,7 +290,7 @@ def test_cli_task_and_split_arguments():
 
 
 def test_bench_prompts_from_a_task_file(tmp_path):
-    from vllm_specstream.bench import BenchConfig, load_prompts
+    from vllm_specstream.bench.bench import BenchConfig, load_prompts
 
     class Template:  # prompt_text's only need: the chat template
         def apply_chat_template(self, messages, tokenize, add_generation_prompt):

@@ -4,8 +4,13 @@ import pytest
 import torch
 from tiny import tiny_llama
 
-from vllm_specstream.config import PruneConfig, SpecStreamConfig
-from vllm_specstream.decode_math import build_tree, chain_accept_length, prune_tree, tree_accept
+from vllm_specstream.checkpoint.config import PruneConfig, SpecStreamConfig
+from vllm_specstream.streams.decode_math import (
+    build_tree,
+    chain_accept_length,
+    prune_tree,
+    tree_accept,
+)
 from vllm_specstream.training.model import SpecStreamModel
 from vllm_specstream.training.reference_decoder import plain_greedy, speculative_generate
 

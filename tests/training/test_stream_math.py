@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_specstream.stream_math import (
+from vllm_specstream.streams.stream_math import (
     anchor_main_mask,
     init_streams,
     joint_attention_mask,

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from tiny import tiny_llama
 
-from vllm_specstream.config import (
+from vllm_specstream.checkpoint.config import (
     STREAM_LORA_STAGES,
     ConfigError,
     SpecStreamConfig,

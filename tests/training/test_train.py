@@ -12,7 +12,7 @@ from helpers import venv_script
 from safetensors.torch import load_file
 from tiny import tiny_llama
 
-from vllm_specstream.config import SpecStreamConfig
+from vllm_specstream.checkpoint.config import SpecStreamConfig
 from vllm_specstream.training.checkpoint import LoraSettings
 from vllm_specstream.training.train import (
     TrainArgs,
@@ -107,7 +107,7 @@ def test_a_run_starts_from_a_trained_adapter(tiny_base, tmp_path):
     """--init-from with another objective than prune: the LoRA and streams of the adapter are
     the start (at lr 0 the adapter comes out unchanged, its streams not re-initialised);
     an adapter of other settings is refused by name."""
-    from vllm_specstream.config import ConfigError
+    from vllm_specstream.checkpoint.config import ConfigError
 
     first = train(args_for(tiny_base, tmp_path / "first", steps=2), progress=False)
     again = args_for(tiny_base, tmp_path / "again", steps=2, init_from=str(first))
@@ -179,7 +179,7 @@ def test_a_finished_run_extends_with_more_steps_and_ignores_fewer(tiny_base, tmp
 def test_a_run_stopped_by_time_continues_from_its_adapter_alone(tiny_base, tmp_path):
     """--max-minutes writes a usable adapter; --continue-from that adapter (without the
     optimizer's checkpoint, as committed) trains on where the data and schedule left off."""
-    from vllm_specstream.config import ConfigError
+    from vllm_specstream.checkpoint.config import ConfigError
 
     whole = train(args_for(tiny_base, tmp_path / "whole", steps=6, warmup_steps=2), progress=False)
     first = train(
@@ -300,7 +300,7 @@ def test_medusa_objective_writes_vllm_medusa_checkpoint(tiny_base, tmp_path):
 def test_medusa_heads_continue_from_trained_heads(tiny_base, tmp_path):
     """--init-from with objective medusa: the trained heads are the start (at lr 0 they come
     out unchanged, not the zero init); heads of another count are refused by name."""
-    from vllm_specstream.config import ConfigError
+    from vllm_specstream.checkpoint.config import ConfigError
 
     first = tmp_path / "first"
     args = args_for(tiny_base, first, steps=2)
@@ -366,7 +366,7 @@ def test_streams_only_trains_on_the_models_replies(tiny_base, tmp_path):
 def test_distill_option_feeds_medusa_the_streams_only_runs_replies(tiny_base, tmp_path):
     """``--distill RUN_DIR`` reads the run's self_distill.jsonl (Medusa heads on the frozen
     base learn the same replies as a streams-only adapter); a missing file names the flag."""
-    from vllm_specstream.cli import _distill_file
+    from vllm_specstream.cli.train import _distill_file
     from vllm_specstream.training.train import load_examples
 
     run = tmp_path / "so-run"
@@ -416,7 +416,8 @@ def test_continuing_an_adapter_learns_its_own_replies(tiny_base, tmp_path, monke
     """``--init-from ADAPTER --distill FILE``: the replies FILE lacks are written by the
     adapter merged into the base (vLLM's generation stubbed here), in a directory removed
     afterwards, and the run learns them; run again with every reply there, nothing is merged."""
-    from vllm_specstream import cli, distill
+    from vllm_specstream import cli
+    from vllm_specstream.training import replies as distill
 
     trained = train(args_for(tiny_base, tmp_path / "ss", steps=2), progress=False)
     models = []
@@ -458,7 +459,7 @@ def test_prune_objective_adds_the_pruning_adapter_to_a_trained_one(tiny_base, tm
     tensors are saved unchanged, the config turns pruning on, and the loss falls."""
     from transformers import AutoTokenizer
 
-    from vllm_specstream.config import PruneConfig
+    from vllm_specstream.checkpoint.config import PruneConfig
     from vllm_specstream.training.checkpoint import load_adapter
     from vllm_specstream.training.data import encode_example
     from vllm_specstream.training.loss import specstream_loss

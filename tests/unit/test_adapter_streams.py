@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_specstream.adapter_deployment import (
+from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
+from vllm_specstream.checkpoint.deployment import (
     base_deployment_overrides,
     lora_rank_setting,
     plan_deployment,
 )
-from vllm_specstream.config import ConfigError, SpecStreamConfig
-from vllm_specstream.model_executor.adapter_streams import (
+from vllm_specstream.model_executor.lora.adapter_streams import (
     ATTRIBUTE,
     Deployment,
     group_requests,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_specstream.bench import (
+from vllm_specstream.bench.bench import (
     OMP_BIND,
     BenchConfig,
     additional_config_for,
@@ -89,7 +89,7 @@ def test_request_timing_from_vllm_stats():
 
 
 def test_suffix_needs_arctic_inference(dirs, monkeypatch):
-    import vllm_specstream.bench as bench
+    import vllm_specstream.bench.bench as bench
 
     monkeypatch.setattr(bench, "has_suffix_decoding", lambda: False)
     with pytest.raises(ValueError, match="--methods suffix needs arctic-inference"):
@@ -269,7 +269,7 @@ def test_a_draft_vocabulary_is_not_counted_as_parameters(tmp_path):
 
 def test_compile_flag_runs_every_engine_compiled(dirs, monkeypatch):
     """``--compile`` turns off the eager mode of every engine and says so in the report."""
-    import vllm_specstream.bench as bench
+    import vllm_specstream.bench.bench as bench
     from vllm_specstream.cli import main
 
     ckpt, _ = dirs
@@ -284,7 +284,7 @@ def test_compile_flag_runs_every_engine_compiled(dirs, monkeypatch):
 
 
 def test_suffix_drafts_are_specstream_suffix_only(dirs, monkeypatch):
-    import vllm_specstream.bench as bench
+    import vllm_specstream.bench.bench as bench
 
     ckpt, _ = dirs
     monkeypatch.setattr(bench, "has_suffix_decoding", lambda: True)
@@ -311,7 +311,7 @@ def test_an_interrupted_method_stops_its_whole_process_group():
     import sys
     import time
 
-    from vllm_specstream.bench import stop_process_group
+    from vllm_specstream.bench.bench import stop_process_group
 
     # A child that starts a grandchild in its group (as vLLM starts its engine processes)
     # and ignores SIGTERM, as a busy engine may.

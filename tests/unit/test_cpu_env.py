@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from vllm_specstream.cpu_env import (
+from vllm_specstream.patches.cpu_env import (
     ENV_OMP_BIND,
     cpu_engine_kwargs,
     find_iomp,

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vllm_specstream.decode_math import (
+from vllm_specstream.streams.decode_math import (
     DraftTree,
     TreeTemplate,
     accepted_path_compaction,

@@ -10,7 +10,7 @@ def test_children_and_libraries_write_to_the_log_and_the_screen_gets_only_result
         f"""
         import os, subprocess, sys
         from pathlib import Path
-        from vllm_specstream.engine_log import output_to
+        from vllm_specstream.bench.engine_log import output_to
 
         print("before", flush=True)
         with output_to(Path({str(log)!r})) as screen:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora_streams import (
+from vllm_specstream.model_executor.lora.lora_streams import (
     StreamLoRA,
     fused_lora_linear,
     is_lora_wrapped,

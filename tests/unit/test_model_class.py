@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_specstream.merged_checkpoint import BASE_CLASSES
+from vllm_specstream.checkpoint.merged import BASE_CLASSES
 
 specstream = pytest.importorskip("vllm_specstream.model_executor.specstream")
 

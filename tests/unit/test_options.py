@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_specstream import PROPOSER, speculative_config
-from vllm_specstream.config import ConfigError
-from vllm_specstream.options import (
+from vllm_specstream.checkpoint.config import ConfigError
+from vllm_specstream.speculation.options import (
     KEY,
     RETIRED_VARIABLES,
     SpecStreamOptions,
@@ -165,7 +165,7 @@ def test_a_retired_proposer_class_is_refused_naming_its_placement():
     with pytest.raises(ConfigError) as refused:
         read_options(engine(model=retired), {})
     message = str(refused.value)
-    assert f"model={retired!r} was removed: use {PROPOSER!r}" in message
+    assert f"model={retired!r} was moved: use {PROPOSER!r}" in message
     assert "placement='window'" in message and '{"specstream": {"placement": "window"}}' in message
     with pytest.raises(ConfigError, match="placement='accepted'"):
         check_proposer("vllm_specstream.proposer.AcceptedSpecStreamProposer")
@@ -196,3 +196,8 @@ def test_a_bad_checkpoint_default_names_the_checkpoints_config():
     # The engine's own field wins and is the one read.
     config.additional_config = {KEY: {"suffix_drafts": "off"}}
     assert read_options(config, {}).suffix_min_score is None
+
+
+def test_the_proposers_earlier_path_is_refused_naming_the_alias():
+    with pytest.raises(ConfigError, match="was moved: use .*model_executor.proposer.*'specstream'"):
+        check_proposer("vllm_specstream.proposer.SpecStreamProposer")

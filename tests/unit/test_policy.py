@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from vllm_specstream import PROPOSER, speculative_config
-from vllm_specstream.config import ConfigError
+from vllm_specstream.checkpoint.config import ConfigError
 from vllm_specstream.machine import CPU_CLASSES, cpu_class, native_bf16
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.proposer import SpecStreamProposer, drafts_at
 from vllm_specstream.model_executor.stash import StreamStash
-from vllm_specstream.options import read_options
-from vllm_specstream.policy import (
+from vllm_specstream.speculation.options import read_options
+from vllm_specstream.speculation.policy import (
     AcceptanceStats,
     AnchoredChain,
     DraftPolicy,
@@ -31,8 +32,7 @@ from vllm_specstream.policy import (
     tree_choices,
     tree_widths,
 )
-from vllm_specstream.proposer import SpecStreamProposer, drafts_at
-from vllm_specstream.step_cost import TABLES, StepCostTable, table_for
+from vllm_specstream.speculation.step_cost import TABLES, StepCostTable, table_for
 
 
 def _seen(accepted: list[int]) -> AcceptanceStats:
@@ -93,13 +93,13 @@ def test_onednn_isa_limit_caps_the_cpu_class(monkeypatch):
     assert cpu_class(bf16, None) == "avx512_bf16"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert cpu_class() == "avx2" and table_for("window").cpu_class == "avx2"
-    from vllm_specstream.preflight import dtype_advice
+    from vllm_specstream.speculation.preflight import dtype_advice
 
     assert dtype_advice("bfloat16", "auto")[0] == "float32"
 
 
 def test_the_default_placement_is_the_cheaper_at_batch_1_per_cpu_class(monkeypatch):
-    from vllm_specstream import step_cost
+    from vllm_specstream.speculation import step_cost
 
     # window on every measured class (1-4 drafts summed: AVX2 6.7 against 7.0 plain steps)
     for cls in CPU_CLASSES:
@@ -345,7 +345,7 @@ def test_lookup_length_carries_the_last_entry():
 
 
 def test_user_schedule_is_read_by_vllms_validator():
-    from vllm_specstream.vllm_schedule import schedule_lookup
+    from vllm_specstream.patches.vllm_schedule import schedule_lookup
 
     lookup = schedule_lookup([(1, 2, 4), (5, 8, 2), (9, 9, 1)], 12, 3)
     # 3, 4 carry (1, 2)'s length (capped at k = 3); past the last range its length holds.
@@ -852,7 +852,7 @@ def test_trees_weighed_are_template_prefixes_of_a_few_widths():
 
 
 def test_tree_prior_sums_the_chance_each_node_is_on_the_accepted_path():
-    from vllm_specstream.draft_trees import tree_template
+    from vllm_specstream.streams.draft_trees import tree_template
 
     rates = np.array([0.5, 0.25])  # the top-1 accepted with 1/2 at each depth
     t = tree_template(2, 2)  # (0), (0,0), (1), then (0,1), (1,0), (1,1)
@@ -891,7 +891,7 @@ def _tree_policy(trees: dict, chain_s: float = 0.07, table=TABLE, **kw) -> Draft
     0.05 s, chains of 4 ``chain_s``, shorter ones timed as the table's shape says; chains
     accept 60/40/20/10 in 100 (2.3 tokens per step with k = 4). ``trees`` maps a tree to
     (its step seconds, 0: untimed; the drafts its rows keep, None: no evidence)."""
-    from vllm_specstream.draft_trees import tree_template
+    from vllm_specstream.streams.draft_trees import tree_template
 
     stats = _seen([60, 40, 20, 10])
     cost = MeasuredCost(table, direct=frozenset((T6, T8, T8P)), min_samples=4)
@@ -982,7 +982,7 @@ class _TreeTarget(_Target):
     prune_threshold = 0.0
 
     def __init__(self, n):
-        from vllm_specstream.draft_trees import tree_template
+        from vllm_specstream.streams.draft_trees import tree_template
 
         super().__init__(n)
         self.tree = tree_template(4, 2, max_nodes=8)
@@ -1003,7 +1003,7 @@ def tree_rows(monkeypatch):
 
     from vllm import SamplingParams
 
-    from vllm_specstream.model_executor.tree_step import WORKER_TREES
+    from vllm_specstream.model_executor.trees.step import WORKER_TREES
 
     class Runner:  # the rows' request ids and sampling parameters
         input_batch = SimpleNamespace(req_ids=["a", "b"])
@@ -1032,7 +1032,7 @@ def _tree_proposer(vllm_config):
 def test_tree_engine_prices_its_chains_with_the_placement_it_runs(tree_rows):
     # An eager tree engine asked for the default (window) placement runs `accepted`: its
     # chains cost what the accepted table says, and no window-only choice is offered.
-    from vllm_specstream.step_cost import table_for
+    from vllm_specstream.speculation.step_cost import table_for
 
     proposer, _ = _tree_proposer(_vllm_config(8))
     assert proposer.target.placement == "accepted"
@@ -1044,7 +1044,7 @@ def test_tree_engine_prices_its_chains_with_the_placement_it_runs(tree_rows):
 def test_tree_engine_schedule_gives_node_counts_beyond_the_chain(tree_rows):
     # A fixed schedule in a tree engine: up to num_streams drafts a chain, beyond it the
     # first k nodes of the tree (pruned where the model prunes).
-    from vllm_specstream.model_executor.tree_step import WORKER_TREES
+    from vllm_specstream.model_executor.trees.step import WORKER_TREES
 
     full = [11, 12, 13, 14, 21, 22, 12, 22]
     for k, want in ((3, [11, 12, 13]), (4, [11, 12, 13, 14]), (6, full[:6]), (8, full)):
@@ -1060,7 +1060,7 @@ def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch, tr
     """The proposer of a tree engine: the tree the policy chooses (a prefix of the template,
     pruned or not), chains otherwise; tree rows' path lengths feed that tree's estimate,
     not the chain one."""
-    from vllm_specstream.model_executor.tree_step import WORKER_TREES, RowTree, StepTrees
+    from vllm_specstream.model_executor.trees.step import WORKER_TREES, RowTree, StepTrees
 
     proposer, propose = _tree_proposer(_vllm_config(8))
     tree = proposer.tree

@@ -10,8 +10,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from vllm_specstream import PROPOSER
-from vllm_specstream.config import ConfigError, SpecStreamConfig
-from vllm_specstream.preflight import check_options, check_platform, check_setup
+from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
+from vllm_specstream.speculation.preflight import check_options, check_platform, check_setup
 
 HIDDEN = 8
 CPU = SimpleNamespace(is_cpu=lambda: True, device_name="cpu")
@@ -194,7 +194,7 @@ def hook():
     pytest.importorskip("vllm")
     import os
 
-    from vllm_specstream.cpu_env import ENV_OMP_BIND
+    from vllm_specstream.patches.cpu_env import ENV_OMP_BIND
     from vllm_specstream.patches.engine_config_check import check_vllm_config
 
     saved = os.environ.get(ENV_OMP_BIND)
@@ -269,7 +269,7 @@ def test_stream_params_follow_the_config_shapes():
     ],
 )
 def test_dtype_advice_on_cpus_without_native_bf16(resolved, requested, cls, dtype, words):
-    from vllm_specstream.preflight import dtype_advice
+    from vllm_specstream.speculation.preflight import dtype_advice
 
     got, message = dtype_advice(resolved, requested, cls)
     assert got == dtype

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
+from vllm_specstream.model_executor.proposer import anchor_rows, last_accepted_index, select_drafts
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
     accepted_anchors,
     last_window_anchors,
     window_anchors,
 )
-from vllm_specstream.proposer import anchor_rows, last_accepted_index, select_drafts
 
 
 def test_last_accepted_index_decode_prefill_and_prefix_hit():
@@ -148,7 +148,7 @@ def _proposer(target=None, **fields):
     """A proposer of an engine whose ``additional_config["specstream"]`` holds ``fields``."""
     from types import SimpleNamespace
 
-    from vllm_specstream.proposer import SpecStreamProposer
+    from vllm_specstream.model_executor.proposer import SpecStreamProposer
 
     spec = SimpleNamespace(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=None)
     config = SimpleNamespace(speculative_config=spec, additional_config={"specstream": fields})
@@ -173,7 +173,7 @@ def test_this_steps_stash_drafts_and_is_cleared():
 
 
 def test_a_stale_stash_is_refused_and_counted(monkeypatch):
-    import vllm_specstream.proposer as proposer_module
+    import vllm_specstream.model_executor.proposer as proposer_module
 
     warnings = []
     monkeypatch.setattr(proposer_module.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
@@ -194,7 +194,7 @@ def test_a_stale_stash_is_refused_and_counted(monkeypatch):
 
 
 def _no_draft_warnings(monkeypatch) -> list[str]:
-    from vllm_specstream import draft_watch
+    from vllm_specstream.speculation import draft_watch
 
     warnings: list[str] = []
     monkeypatch.setattr(draft_watch.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
@@ -202,7 +202,7 @@ def _no_draft_warnings(monkeypatch) -> list[str]:
 
 
 def test_no_drafts_for_n_steps_warns_once_and_says_why(monkeypatch):
-    from vllm_specstream.draft_watch import NO_DRAFT_STEPS
+    from vllm_specstream.speculation.draft_watch import NO_DRAFT_STEPS
 
     warnings = _no_draft_warnings(monkeypatch)
     proposer = _proposer()
@@ -219,7 +219,7 @@ def test_no_drafts_for_n_steps_warns_once_and_says_why(monkeypatch):
 
 
 def test_no_draft_watch_counts_only_consecutive_expected_steps(monkeypatch):
-    from vllm_specstream.draft_watch import NoDraftWatch
+    from vllm_specstream.speculation.draft_watch import NoDraftWatch
 
     warnings = _no_draft_warnings(monkeypatch)
     watch = NoDraftWatch(steps=3)
@@ -241,7 +241,7 @@ def test_no_draft_watch_counts_only_consecutive_expected_steps(monkeypatch):
 def test_steps_without_drafting_do_not_warn(monkeypatch):
     """Steps where the policy drafts nothing (k = 0) or no request sampled are not
     'expected' steps."""
-    from vllm_specstream.draft_watch import NO_DRAFT_STEPS
+    from vllm_specstream.speculation.draft_watch import NO_DRAFT_STEPS
 
     warnings = _no_draft_warnings(monkeypatch)
     proposer = _proposer()

@@ -4,7 +4,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_specstream.stream_layer import ATTEND, PROJECTIONS, STAGES, run_layer, stream_layer
+from vllm_specstream.streams.stream_layer import (
+    ATTEND,
+    PROJECTIONS,
+    STAGES,
+    run_layer,
+    stream_layer,
+)
 
 H, HEADS, D = 8, 2, 4
 

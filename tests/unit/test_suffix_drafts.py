@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 from test_proposer import _Target as ProposerTarget
 
-from vllm_specstream.config import ConfigError
-from vllm_specstream.options import read_options
-from vllm_specstream.policy import SuffixStep
-from vllm_specstream.suffix_drafts import (
+from vllm_specstream.checkpoint.config import ConfigError, suffix_min_score_from
+from vllm_specstream.speculation.options import read_options
+from vllm_specstream.speculation.policy import SuffixStep
+from vllm_specstream.speculation.suffix_drafts import (
     SuffixDraft,
     SuffixDrafts,
     SuffixSettings,
-    suffix_min_score_from,
     suffix_rows,
 )
 
@@ -58,7 +57,7 @@ def test_the_field_is_read_only_when_speculating_and_refused_beside_trees():
 
 @pytest.mark.parametrize("importable", [True, False])
 def test_checkpoint_default_is_followed_unless_the_user_says_otherwise(monkeypatch, importable):
-    import vllm_specstream.options as options
+    import vllm_specstream.speculation.options as options
 
     monkeypatch.setattr(options, "suffix_decoding_importable", lambda: importable)
     opts = read_options(_engine_config("on"), {})
@@ -91,7 +90,7 @@ def test_checkpoint_default_is_followed_unless_the_user_says_otherwise(monkeypat
 def test_suffix_trees_are_found_in_the_projects_build_without_pythonpath(tmp_path, monkeypatch):
     import sys
 
-    import vllm_specstream.suffix_drafts as suffix_drafts
+    import vllm_specstream.speculation.suffix_drafts as suffix_drafts
 
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "suffix-decoding" not in p])
     for name in [m for m in sys.modules if m.startswith("arctic_inference")]:
@@ -185,7 +184,7 @@ def test_trees_start_from_the_prompt_grow_and_stop():
 
 
 def _arctic_importable() -> bool:
-    from vllm_specstream.bench import has_suffix_decoding
+    from vllm_specstream.bench.bench import has_suffix_decoding
 
     return has_suffix_decoding()
 
@@ -220,8 +219,8 @@ class _Target(ProposerTarget):
 
 
 def _proposer(monkeypatch, cache, min_score=0.5):
-    from vllm_specstream import proposer as proposer_module
-    from vllm_specstream.proposer import SpecStreamProposer
+    from vllm_specstream.model_executor import proposer as proposer_module
+    from vllm_specstream.model_executor.proposer import SpecStreamProposer
 
     monkeypatch.setattr(
         proposer_module, "SuffixDrafts", lambda settings, n: SuffixDrafts(settings, n, cache)
@@ -306,7 +305,7 @@ def test_on_weighs_tokens_per_step_cost_against_the_streams(monkeypatch):
 
 
 def test_without_the_runner_the_streams_draft_alone_and_it_is_said(monkeypatch):
-    from vllm_specstream import proposer as proposer_module
+    from vllm_specstream.model_executor import proposer as proposer_module
 
     warnings = []
     monkeypatch.setattr(proposer_module.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))

@@ -14,8 +14,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
-from vllm_specstream.model_executor import tree_attention  # noqa: E402
-from vllm_specstream.model_executor.tree_attention import (  # noqa: E402
+from vllm_specstream.model_executor.trees import attention as tree_attention  # noqa: E402
+from vllm_specstream.model_executor.trees.attention import (  # noqa: E402
     TreeCPUAttentionBackend,
     TreeCPUAttentionImpl,
     TreeRequest,

@@ -5,15 +5,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_specstream.draft_trees import prune_nodes
-from vllm_specstream.model_executor.tree_pruning import (
+from vllm_specstream.model_executor.trees.pruning import (
     node_keep_probs,
     prune_batch,
     prune_head_probs,
     scatter_rows,
 )
-from vllm_specstream.model_executor.tree_sampler import verify_trees
-from vllm_specstream.model_executor.tree_step import RowTree, StepTrees, kept_subtree
+from vllm_specstream.model_executor.trees.sampler import verify_trees
+from vllm_specstream.model_executor.trees.step import RowTree, StepTrees, kept_subtree
+from vllm_specstream.streams.draft_trees import prune_nodes
 
 TREE = (-1, 0, -1, 1, 0, 2)  # root children 0 and 2; 0 has children 1 and 4; 1 has 3
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specstream.config import ConfigError
-from vllm_specstream.draft_trees import tree_template
-from vllm_specstream.model_executor.tree_step import (
+from vllm_specstream.checkpoint.config import ConfigError
+from vllm_specstream.model_executor.proposer import tree_anchor_indices
+from vllm_specstream.model_executor.trees.step import (
     TreeBook,
     accept_row,
     build_step,
@@ -16,13 +16,13 @@ from vllm_specstream.model_executor.tree_step import (
     is_chain,
     tree_problem,
 )
-from vllm_specstream.options import (
+from vllm_specstream.speculation.options import (
     SpecStreamOptions,
     draft_tree_of,
     read_options,
     tree_top_k_from,
 )
-from vllm_specstream.proposer import tree_anchor_indices
+from vllm_specstream.streams.draft_trees import tree_template
 
 TREE = (-1, 0, -1, 1, 0, 2)  # two root children (0, 2); 0 has children 1 and 4
 
@@ -155,7 +155,7 @@ def test_tree_options_and_template_size():
 
 
 def test_tree_sampling_reads_the_distribution_vllms_sampler_forms():
-    from vllm_specstream.model_executor.tree_sampler import sampling_temperature, target_probs
+    from vllm_specstream.model_executor.trees.sampler import sampling_temperature, target_probs
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
     metadata = SimpleNamespace(

@@ -1,7 +1,7 @@
 import pytest
 
 from vllm_specstream import SUPPORTED_VLLM
-from vllm_specstream.vllm_version import (
+from vllm_specstream.patches.vllm_version import (
     ENV_SKIP_CHECK,
     UnsupportedVLLMVersion,
     check_vllm_version,
@@ -35,7 +35,7 @@ def test_installed_vllm_is_supported():
 
 
 def test_skip_check_env(monkeypatch):
-    import vllm_specstream.vllm_version as vv
+    import vllm_specstream.patches.vllm_version as vv
 
     monkeypatch.setattr(vv, "installed_vllm", lambda: ("vllm", "9.9.9"))
     with pytest.raises(UnsupportedVLLMVersion):
@@ -47,8 +47,8 @@ def test_skip_check_env(monkeypatch):
 def test_register_refuses_unsupported_vllm_with_one_clear_error(monkeypatch, caplog):
     import logging
 
-    import vllm_specstream.plugin as plugin
-    import vllm_specstream.vllm_version as vv
+    import vllm_specstream.patches.registration as plugin
+    import vllm_specstream.patches.vllm_version as vv
 
     monkeypatch.setattr(vv, "installed_vllm", lambda: ("vllm", "0.40.1"))
     monkeypatch.setattr(plugin, "_registered", False)

@@ -24,7 +24,7 @@ def make_tiny_merged(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.checkpoint.config import SpecStreamConfig
     from vllm_specstream.training.checkpoint import (
         LoraSettings,
         build_model,
@@ -104,7 +104,7 @@ def make_tiny_adapter(base: Path, out: Path, seed: int, num_streams: int = 3) ->
     saved as ``specstream train`` writes it, and its merged checkpoint: ``(adapter, merged)``."""
     import torch
 
-    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.checkpoint.config import SpecStreamConfig
     from vllm_specstream.training.checkpoint import (
         LoraSettings,
         build_model,
@@ -141,7 +141,7 @@ def tiny_streams_only(tiny_merged, tmp_path_factory) -> tuple[Path, Path]:
     and stream LoRA, base weights untouched): ``(base, merged)``."""
     import torch
 
-    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.checkpoint.config import SpecStreamConfig
     from vllm_specstream.training.checkpoint import build_model, export_merged, save_adapter
 
     base = tiny_merged.with_name(tiny_merged.name + "-base")

@@ -40,7 +40,7 @@ def _llm(
     from vllm import LLM
 
     from vllm_specstream import speculative_config
-    from vllm_specstream.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.patches.cpu_env import cpu_engine_kwargs
 
     # A fixed KV cache (512 MiB: 11k tokens of the embedded model) instead of a share of
     # RAM: quicker to allocate, and engines start whatever else holds memory.
@@ -147,7 +147,7 @@ def generate(
         ]
         inspected["cached_tokens"] = sum(o.num_cached_tokens or 0 for o in more)
     if trees:  # needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
-        from vllm_specstream.model_executor.tree_step import tree_stats
+        from vllm_specstream.model_executor.trees.step import tree_stats
 
         inspected["trees"] = llm.apply_model(tree_stats)[0]
     return {
@@ -235,7 +235,7 @@ def sample(ckpt: str, k: int, n: int, trees: bool = False, fields: dict | None =
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     result = {"tokens": tokens[:n]}
     if trees:
-        from vllm_specstream.model_executor.tree_step import tree_stats
+        from vllm_specstream.model_executor.trees.step import tree_stats
 
         result["chain_tokens"] = tokens[n:]
         result["trees"] = llm.apply_model(tree_stats)[0]
@@ -247,12 +247,12 @@ def plain_run(model: str, prompts: list[str], n: int, dtype: str = "float32") ->
     this (front-end) process."""
     from vllm import SamplingParams
 
-    import vllm_specstream.plugin
+    import vllm_specstream.patches.registration
 
     llm = _llm(model, max_model_len=512, dtype=dtype)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n), use_tqdm=False)
     return {
-        "frontend_registered": vllm_specstream.plugin._registered,
+        "frontend_registered": vllm_specstream.patches.registration._registered,
         "tokens": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
     }
 

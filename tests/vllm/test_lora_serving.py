@@ -98,7 +98,7 @@ INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 def _deployment(base, adapters) -> dict:
-    from vllm_specstream.adapter_deployment import plan_deployment
+    from vllm_specstream.checkpoint.deployment import plan_deployment
 
     plan = plan_deployment(base, {f"task{i}": str(a) for i, (a, _) in enumerate(adapters)})
     return {

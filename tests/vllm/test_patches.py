@@ -138,7 +138,7 @@ def test_fixed_expand_kernel(dtype):
 @needs_cpu_wheel
 def test_expand_patch_is_applied_by_register():
     out = run_python(
-        "from vllm_specstream.plugin import register\n"
+        "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "from vllm.utils import cpu_triton_utils\n"
         "from vllm_specstream.patches.cpu_expand_kernel import expand_kernel_impl\n"
@@ -181,7 +181,7 @@ def test_amx_cap_patch_is_applied_by_register(cap):
     # uncapped: the child drops any cap this process runs under
     uncap = "" if cap else "import os\nos.environ.pop('ONEDNN_MAX_CPU_ISA', None)\n"
     out = run_python(
-        uncap + "from vllm_specstream.plugin import register\n"
+        uncap + "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "import torch\n"
         "print(torch.cpu._is_amx_tile_supported())\n",
@@ -225,7 +225,7 @@ def test_spec_alias_patch_wraps_create_speculative_config():
         "from vllm.engine.arg_utils import EngineArgs\n"
         "sig = inspect.signature(EngineArgs.create_speculative_config)\n"
         "print(list(sig.parameters))\n"
-        "from vllm_specstream.plugin import register\n"
+        "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "print(hasattr(EngineArgs.create_speculative_config, '__wrapped__'))\n"
     )
@@ -244,7 +244,7 @@ def test_engine_config_check_runs_where_vllm_builds_the_config(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from vllm_specstream.config import SpecStreamConfig
+    from vllm_specstream.checkpoint.config import SpecStreamConfig
 
     section = SpecStreamConfig(num_streams=3, num_msa_layers=2).to_dict()
     section.pop("loss")
@@ -266,8 +266,8 @@ def test_engine_config_check_runs_where_vllm_builds_the_config(tmp_path):
     out = run_python(
         "from vllm.engine.arg_utils import EngineArgs\n"
         "from vllm_specstream import speculative_config\n"
-        "from vllm_specstream.config import ConfigError\n"
-        "from vllm_specstream.cpu_env import cpu_engine_kwargs\n"
+        "from vllm_specstream.checkpoint.config import ConfigError\n"
+        "from vllm_specstream.patches.cpu_env import cpu_engine_kwargs\n"
         "for k in (2, 5):\n"
         f"    args = EngineArgs(model={str(tmp_path)!r}, speculative_config=speculative_config(k),\n"
         "                      **cpu_engine_kwargs(dtype='float32', max_model_len=256))\n"
@@ -282,7 +282,9 @@ def test_engine_config_check_runs_where_vllm_builds_the_config(tmp_path):
     # vLLM logs to stdout too: keep this script's own lines.
     lines = [x for x in out.stdout.splitlines() if x.split(" ")[0] in ("OK", "ERROR", "True")]
     assert len(lines) == 3, out.stdout[-3000:]
-    assert lines[0] == "OK custom_class vllm_specstream.proposer.SpecStreamProposer 2", lines
+    assert (
+        lines[0] == "OK custom_class vllm_specstream.model_executor.proposer.SpecStreamProposer 2"
+    ), lines
     assert lines[1].startswith("ERROR num_speculative_tokens=5 exceeds"), lines
     assert lines[2] == "True"
 
@@ -395,7 +397,7 @@ def test_grouped_cpu_lora_linear_equals_vllms_path():
 @needs_cpu_wheel
 def test_lora_patch_is_applied_by_register():
     out = run_python(
-        "from vllm_specstream.plugin import register\n"
+        "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "from vllm.lora.ops.torch_ops import lora_ops\n"
         "from vllm.lora.punica_wrapper import punica_cpu\n"
@@ -421,7 +423,7 @@ def test_lora_adapter_streams_patch_wraps_vllms_adapter_loading():
         "cache = AdapterLRUCache(2, lambda _id: None)\n"
         "cache[7] = 'adapter'\n"
         "print(cache.cache.get(7), cache.cache.get(8))\n"
-        "from vllm_specstream.plugin import register\n"
+        "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "print(hasattr(WorkerLoRAManager._load_adapter, '__wrapped__'))\n"
     )
@@ -461,12 +463,12 @@ def test_tree_runner_hooks_still_fit_vllm():
         "fields = ('temperature', 'all_greedy', 'top_k', 'top_p', 'generators')\n"
         "print(all(f in M.__dataclass_fields__ for f in fields),\n"
         "      list(inspect.signature(topkp).parameters)[:3])\n"
-        "from vllm_specstream.plugin import register\n"
+        "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "print(g.RejectionSampler.__name__, E.CPU_ATTN.get_path().rsplit('.', 1)[-1])\n"
         "from vllm_specstream.patches import apply_patch\n"
         "from vllm_specstream.patches.tree_runner import TREE_RUNNER\n"
-        "from vllm_specstream.vllm_version import ensure_supported_vllm\n"
+        "from vllm_specstream.patches.vllm_version import ensure_supported_vllm\n"
         "apply_patch(TREE_RUNNER, ensure_supported_vllm())\n"
         "print(g.RejectionSampler.__name__, E.CPU_ATTN.get_class().__name__,\n"
         "      getattr(g.GPUModelRunner._prepare_inputs, '__specstream_tree__', False))\n"
@@ -498,7 +500,7 @@ def test_tree_pruning_touch_points_still_fit_vllm():
         "from vllm.model_executor.layers.attention import attention as A\n"
         "from vllm.model_executor.models import llama, qwen2\n"
         "from vllm.v1.attention.backends import cpu_attn\n"
-        "from vllm_specstream.model_executor.tree_pruning import PrunedBatch, pruned_metadata\n"
+        "from vllm_specstream.model_executor.trees.pruning import PrunedBatch, pruned_metadata\n"
         "fields = {f.name for f in dataclasses.fields(ForwardContext)}\n"
         "ctx = inspect.getsource(A.get_attention_context)\n"
         "print({'attn_metadata', 'slot_mapping'} <= fields,\n"
@@ -549,12 +551,12 @@ def test_proposer_runner_hook_still_fits_vllm():
         "    print('self.drafter.load_model(self.model)' in src)\n"
         "src = inspect.getsource(InputBatch.__init__)\n"
         "print(all(f in src for f in ('self.num_prompt_tokens', '_req_ids', 'token_ids_cpu')))\n"
-        "from vllm_specstream.plugin import register\n"
+        "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "print(getattr(c.CPUModelRunner.load_model, '__specstream_runner__', False))\n"
         "from vllm_specstream.patches import apply_patch\n"
         "from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER\n"
-        "from vllm_specstream.vllm_version import ensure_supported_vllm\n"
+        "from vllm_specstream.patches.vllm_version import ensure_supported_vllm\n"
         "apply_patch(PROPOSER_RUNNER, ensure_supported_vllm())\n"
         "print(c.CPUModelRunner.load_model.__specstream_runner__,\n"
         "      g.GPUModelRunner.load_model.__specstream_runner__)\n"

@@ -123,7 +123,7 @@ def test_plain_sampling_hook_still_fits_vllm():
     from vllm.v1.worker import cpu_model_runner, gpu_model_runner
 
     from vllm_specstream.patches import apply_patch
-    from vllm_specstream.vllm_version import ensure_supported_vllm
+    from vllm_specstream.patches.vllm_version import ensure_supported_vllm
 
     runner = gpu_model_runner.GPUModelRunner
     assert "_sample" not in vars(cpu_model_runner.CPUModelRunner)

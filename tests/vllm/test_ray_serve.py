@@ -118,8 +118,8 @@ def serve_and_query(checkpoint, tmp, http_requests, batch_requests, reference_pi
     import ray
     from ray import serve
 
-    from vllm_specstream.ray_data import BatchConfig, generate_jsonl, serve_processor
-    from vllm_specstream.ray_serve import SpecStreamServeConfig, build_app, server_deployment_name
+    from vllm_specstream.ray.data import BatchConfig, generate_jsonl, serve_processor
+    from vllm_specstream.ray.serve import SpecStreamServeConfig, build_app, server_deployment_name
 
     config = SpecStreamServeConfig(
         checkpoint,
@@ -183,7 +183,7 @@ def test_requests_spread_over_both_replicas(ray_run):
         assert info["plugin_loaded"], info  # the entry point ran in the replica process
         assert info["speculative_config"] == {
             "method": "custom_class",
-            "model": "vllm_specstream.proposer.SpecStreamProposer",
+            "model": "vllm_specstream.model_executor.proposer.SpecStreamProposer",
             "num_speculative_tokens": K,
         }, info
 
@@ -217,7 +217,7 @@ def test_deployment_config_cpu_and_gpu(tmp_path):
     executor with one GPU bundle per tensor-parallel rank. Both: the specstream proposer with
     the checkpoint's stream count."""
     from vllm_specstream import speculative_config
-    from vllm_specstream.ray_serve import SpecStreamServeConfig, llm_config
+    from vllm_specstream.ray.serve import SpecStreamServeConfig, llm_config
 
     (tmp_path / "config.json").write_text(json.dumps({"specstream": {"num_streams": 4}}))
     config = SpecStreamServeConfig(tmp_path, num_replicas=3, kv_cache_bytes=1 << 28)
@@ -243,7 +243,7 @@ def test_deployment_config_cpu_and_gpu(tmp_path):
 
 
 def test_replica_cores():
-    from vllm_specstream.ray_serve import replica_cores
+    from vllm_specstream.ray.serve import replica_cores
 
     assert [replica_cores(r, [0, 1], 1) for r in range(3)] == [[0], [1], [0]]
     assert [replica_cores(r, [2, 3, 4, 5], 2) for r in range(2)] == [[2, 3], [4, 5]]

@@ -30,7 +30,7 @@ def adapter_servers(base_model_dir, tmp_path_factory):
     deploy` prints, and the same server without speculation."""
     import shlex
 
-    from vllm_specstream.adapter_deployment import plan_deployment
+    from vllm_specstream.checkpoint.deployment import plan_deployment
 
     tmp = tmp_path_factory.mktemp("serve-adapters")
     plan = plan_deployment(base_model_dir, ADAPTERS)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from engine_child import CHILD, run_child
 
-from vllm_specstream.bench import has_suffix_decoding
+from vllm_specstream.bench.bench import has_suffix_decoding
 from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
@@ -217,7 +217,7 @@ def test_drafts_are_proposed_and_counted(runs, placement):
 
 
 def test_the_default_placement_is_chosen_for_the_cpu(runs, request):
-    from vllm_specstream.step_cost import cheaper_placement
+    from vllm_specstream.speculation.step_cost import cheaper_placement
 
     chosen = {p: run["default_placement"] for p, run in runs[2].items() if p != "tree"}
     if "chunked" in request.node.callspec.id:
@@ -490,5 +490,5 @@ def test_broken_setup_names_the_cause_last(tiny_merged, tmp_path, setup, front_e
     make, k, message, *config = BROKEN_SETUPS[setup]
     last, log = last_line_of_failed_start(make(tiny_merged, tmp_path), k, front_end, *config)
     assert message in last, log[-4000:]
-    assert last.startswith("vllm_specstream.config.ConfigError: "), last
+    assert last.startswith("vllm_specstream.checkpoint.config.ConfigError: "), last
     assert "EngineCore" not in log, log[-4000:]  # no engine process was started

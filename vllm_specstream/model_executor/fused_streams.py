@@ -11,7 +11,7 @@ four projections of each MSA layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``,
 ``down_proj``) and the first MSA layer's input norm: while a pass is active, each
 projection call multiplies ``[main rows; stream rows]`` in one call, hands the main rows
 back to vLLM and sends the stream rows' result to the layer's
-:func:`~vllm_specstream.stream_layer.stream_layer` generator, which does the steps between
+:func:`~vllm_specstream.streams.stream_layer.stream_layer` generator, which does the steps between
 the calls (rotary, multi-stream attention over the paged cache, residuals, norms,
 activation) and asks for the next projection: the same layer as the stream pass of
 :class:`~vllm_specstream.model_executor.stream_forward.StreamRunner`.
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora_streams import (
+from vllm_specstream.model_executor.lora.lora_streams import (
     fused_lora_linear,
     is_lora_wrapped,
     join_output,
@@ -36,7 +36,7 @@ from vllm_specstream.model_executor.lora_streams import (
 )
 from vllm_specstream.model_executor.stream_forward import StreamRunner, StreamStart, rms_norm
 from vllm_specstream.model_executor.stream_weights import layer_linears
-from vllm_specstream.stream_layer import ATTEND, PROJECTIONS, StreamLayer
+from vllm_specstream.streams.stream_layer import ATTEND, PROJECTIONS, StreamLayer
 
 Tensor = torch.Tensor
 
@@ -52,11 +52,11 @@ class _Pass:
     layer: int = 0
     """Index (among the MSA layers) of the layer the streams are in."""
     stage: str = ""
-    """What the layer waits for: a :data:`~vllm_specstream.stream_layer.STAGES` name
+    """What the layer waits for: a :data:`~vllm_specstream.streams.stream_layer.STAGES` name
     ("" not started, "done" after the last layer)."""
     start: StreamStart | None = None
     gen: StreamLayer | None = None
-    """The current layer's :func:`~vllm_specstream.stream_layer.stream_layer`."""
+    """The current layer's :func:`~vllm_specstream.streams.stream_layer.stream_layer`."""
     pending: Tensor | None = None
     """Input of the next projection call for the stream rows."""
     final: Tensor | None = None

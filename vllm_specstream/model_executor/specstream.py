@@ -5,7 +5,7 @@ paged attention, same outputs (served without speculation it is exactly the fine
 model). On top, the model asks the decoder for the residual stream entering layer
 ``L0 = N - num_msa_layers`` (vLLM's aux-hidden-state hook) and, when speculative decoding
 is on, runs the streams and stashes their top-1 tokens for
-:class:`vllm_specstream.proposer.SpecStreamProposer`. Where the streams run is the
+:class:`vllm_specstream.model_executor.proposer.SpecStreamProposer`. Where the streams run is the
 *placement*, chosen by the proposer:
 
 * ``"window"`` (the paper's parallel design): inside the forward, for every position of each
@@ -33,18 +33,15 @@ from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.platforms import current_platform
 
-from vllm_specstream.config import ConfigError
-from vllm_specstream.cpu_env import single_thread_note
-from vllm_specstream.draft_trees import TreeTemplate, prune_nodes
-from vllm_specstream.draft_vocab import mask_token_ids
-from vllm_specstream.logger import init_logger
-from vllm_specstream.machine import cpu_class
-from vllm_specstream.merged_checkpoint import (
+from vllm_specstream.checkpoint.config import ConfigError
+from vllm_specstream.checkpoint.draft_vocab import mask_token_ids
+from vllm_specstream.checkpoint.merged import (
     adapter_streams_only,
     base_architecture,
     read_specstream_section,
 )
-from vllm_specstream.model_executor.adapter_streams import Deployment
+from vllm_specstream.logger import init_logger
+from vllm_specstream.machine import cpu_class
 from vllm_specstream.model_executor.forward_batch import (
     ForwardBatch,
     attention_layer_name,
@@ -53,7 +50,8 @@ from vllm_specstream.model_executor.forward_batch import (
     no_forward_batch_reason,
 )
 from vllm_specstream.model_executor.fused_streams import FusedStreams
-from vllm_specstream.model_executor.lora_streams import base_logits_processor
+from vllm_specstream.model_executor.lora.adapter_streams import Deployment
+from vllm_specstream.model_executor.lora.lora_streams import base_logits_processor
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
@@ -68,7 +66,7 @@ from vllm_specstream.model_executor.stream_weights import (
     build_stream_weights,
     draft_head,
 )
-from vllm_specstream.model_executor.tree_pruning import (
+from vllm_specstream.model_executor.trees.pruning import (
     attention_for_kept_rows,
     kept_tree_step,
     node_keep_probs,
@@ -77,22 +75,24 @@ from vllm_specstream.model_executor.tree_pruning import (
     pruned_metadata,
     scatter_rows,
 )
-from vllm_specstream.model_executor.tree_step import WORKER_TREES, depth_positions
-from vllm_specstream.options import (
+from vllm_specstream.model_executor.trees.step import WORKER_TREES, depth_positions
+from vllm_specstream.patches.cpu_env import single_thread_note
+from vllm_specstream.speculation.options import (
     PLACEMENTS,
     TREE_PRUNE_NO_ADAPTER,
     TREES_TP_ERROR,
     draft_tree_of,
     read_options,
 )
-from vllm_specstream.policy import confident_drafts
-from vllm_specstream.preflight import (
+from vllm_specstream.speculation.policy import confident_drafts
+from vllm_specstream.speculation.preflight import (
     ADAPTER_STREAMS_NEED_LORA,
     STREAM_LORA_TP_ERROR,
     STREAM_LORA_WITH_LORA,
     check_platform,
 )
-from vllm_specstream.step_cost import cheaper_placement
+from vllm_specstream.speculation.step_cost import cheaper_placement
+from vllm_specstream.streams.draft_trees import TreeTemplate, prune_nodes
 
 logger = init_logger(__name__)
 
@@ -431,7 +431,7 @@ class SpecStreamMixin:
         step's trees pruned at the pruning layer: the layers from there run on the kept
         rows only. Returns ``(hidden, [residual stream entering L0])`` in the runner's
         row layout, like the decoder with its aux-hidden-state hook."""
-        from vllm_specstream.model_executor.tree_attention import (
+        from vllm_specstream.model_executor.trees.attention import (
             current_tree_step,
             set_tree_step,
         )

@@ -7,9 +7,9 @@ request, or only each request's last accepted position: the placements of
 layer modules. In attention they read the main stream's keys/values at positions ``<= t``
 from the paged cache (after this step's writes) and their own anchor's streams ``<= j``;
 nothing of the streams is written to the cache. The math is
-:mod:`vllm_specstream.stream_math` and the layer is
-:func:`vllm_specstream.stream_layer.stream_layer`, both shared with training; the attention
-core (:func:`~vllm_specstream.stream_math.joint_stream_attention`, one fused attention call)
+:mod:`vllm_specstream.streams.stream_math` and the layer is
+:func:`vllm_specstream.streams.stream_layer.stream_layer`, both shared with training; the attention
+core (:func:`~vllm_specstream.streams.stream_math.joint_stream_attention`, one fused attention call)
 is the piece a GPU kernel would replace. The matmuls are vLLM's modules or prepacked bf16
 copies (:mod:`vllm_specstream.model_executor.stream_weights`).
 """
@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_specstream.config import ConfigError, SpecStreamConfig
-from vllm_specstream.model_executor.adapter_streams import AdapterStreams
+from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora_streams import StreamLoRA, first_lora_module
+from vllm_specstream.model_executor.lora.adapter_streams import AdapterStreams
+from vllm_specstream.model_executor.lora.lora_streams import StreamLoRA, first_lora_module
+from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
-from vllm_specstream.model_executor.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.stream_weights import StreamWeights, fused_rms_norm
-from vllm_specstream.stream_layer import StreamLayer, run_layer, stream_layer
-from vllm_specstream.stream_math import (
+from vllm_specstream.streams.stream_layer import StreamLayer, run_layer, stream_layer
+from vllm_specstream.streams.stream_math import (
     anchor_main_mask,
     init_streams,
     joint_attention_mask,
@@ -118,7 +118,7 @@ class StreamStart:
     flat_pos: Tensor
     """Rotary position of each row."""
     mask: Tensor
-    """:func:`~vllm_specstream.stream_math.joint_attention_mask` of the pass."""
+    """:func:`~vllm_specstream.streams.stream_math.joint_attention_mask` of the pass."""
     kv_index: tuple[Tensor, Tensor, int]
     """Flat cache indices of the main keys/values the streams read."""
     context_len: int
@@ -291,7 +291,7 @@ class StreamRunner:
 
 @dataclass
 class VllmStreamOps:
-    """:class:`~vllm_specstream.stream_layer.StreamLayerOps` of a vLLM decoder layer for the
+    """:class:`~vllm_specstream.streams.stream_layer.StreamLayerOps` of a vLLM decoder layer for the
     flat stream rows ``[N, h]`` of a pass, over the paged KV cache."""
 
     runner: StreamRunner

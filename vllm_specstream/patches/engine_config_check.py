@@ -6,9 +6,9 @@ vLLM 0.32 builds and validates ``VllmConfig`` in the front-end process
 the model is built and the ``custom_class`` proposer imported. Errors raised there reach the
 user inside several processes' tracebacks; raised here they are the last line printed. The
 wrapper below lets vLLM build the config, then runs, for a specstream engine,
-:func:`~vllm_specstream.preflight.check_options` (its configuration) and
-:func:`vllm_specstream.preflight.check_setup` on it. For a specstream engine on a CPU
-without native bf16 it also acts on the dtype (:func:`vllm_specstream.preflight.dtype_advice`):
+:func:`~vllm_specstream.speculation.preflight.check_options` (its configuration) and
+:func:`vllm_specstream.speculation.preflight.check_setup` on it. For a specstream engine on a CPU
+without native bf16 it also acts on the dtype (:func:`vllm_specstream.speculation.preflight.dtype_advice`):
 with ``--dtype auto`` and a bf16 checkpoint the config is built in float32 (said once);
 with an explicit ``--dtype bfloat16``, a warning with the fix. ``register()`` applies it in
 every process; only the front-end builds an engine config.
@@ -22,11 +22,11 @@ TARGET = "vllm.engine.arg_utils.EngineArgs.create_engine_config"
 
 
 def check_vllm_config(vllm_config) -> None:
-    """:func:`~vllm_specstream.preflight.check_setup` on vLLM's engine config (the only
+    """:func:`~vllm_specstream.speculation.preflight.check_setup` on vLLM's engine config (the only
     place that reads ``VllmConfig`` fields for it)."""
     from vllm.platforms import current_platform
 
-    from vllm_specstream.preflight import check_options, check_setup
+    from vllm_specstream.speculation.preflight import check_options, check_setup
 
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
@@ -52,11 +52,11 @@ def check_vllm_config(vllm_config) -> None:
 def _bind_worker_threads(vllm_config) -> None:
     """Where the user chose no OpenMP binding and vLLM's would leave a speculating engine's
     worker one thread, the engine processes (spawned after this) get every core
-    (:func:`vllm_specstream.cpu_env.speculation_binding`); said once."""
+    (:func:`vllm_specstream.patches.cpu_env.speculation_binding`); said once."""
     import os
 
-    from vllm_specstream.cpu_env import ENV_OMP_BIND, physical_cores, speculation_binding
     from vllm_specstream.logger import init_logger
+    from vllm_specstream.patches.cpu_env import ENV_OMP_BIND, physical_cores, speculation_binding
 
     cores = physical_cores()
     world = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
@@ -75,8 +75,8 @@ def _bind_worker_threads(vllm_config) -> None:
 
 
 def _serves_specstream(vllm_config) -> bool:
-    """:func:`~vllm_specstream.preflight.serves_specstream` of vLLM's engine config."""
-    from vllm_specstream.preflight import serves_specstream
+    """:func:`~vllm_specstream.speculation.preflight.serves_specstream` of vLLM's engine config."""
+    from vllm_specstream.speculation.preflight import serves_specstream
 
     spec = vllm_config.speculative_config
     architectures = getattr(vllm_config.model_config.hf_config, "architectures", None)
@@ -91,7 +91,7 @@ def _checkpoint_dtype(engine_args) -> str | None:
     import json
     from pathlib import Path
 
-    from vllm_specstream.preflight import serves_specstream
+    from vllm_specstream.speculation.preflight import serves_specstream
 
     config_file = Path(str(engine_args.model)) / "config.json"
     try:
@@ -112,7 +112,7 @@ def _advise_dtype(engine_args, vllm_config=None) -> None:
     from vllm.platforms import current_platform
 
     from vllm_specstream.logger import init_logger
-    from vllm_specstream.preflight import dtype_advice
+    from vllm_specstream.speculation.preflight import dtype_advice
 
     if not current_platform.is_cpu():
         return

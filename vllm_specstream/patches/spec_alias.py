@@ -1,7 +1,7 @@
 """``--spec-model specstream``: the short spelling of the specstream proposer.
 
 vLLM 0.32 selects a ``custom_class`` proposer from any dotted path (``--spec-model
-vllm_specstream.proposer.SpecStreamProposer`` works unpatched) but has no way to register a
+vllm_specstream.model_executor.proposer.SpecStreamProposer`` works unpatched) but has no way to register a
 name. This wraps ``EngineArgs.create_speculative_config`` (it runs in the front-end, before
 ``SpeculativeConfig`` is validated) to rewrite ``model: "specstream"`` to the proposer path
 and to default ``num_speculative_tokens`` to the checkpoint's ``specstream.num_streams``.

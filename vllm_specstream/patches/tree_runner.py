@@ -7,11 +7,11 @@ runner is built (it builds its proposer before its rejection sampler and its mod
 
 * ``GPUModelRunner._prepare_inputs`` (the CPU runner inherits it) is wrapped: once the step's
   inputs are prepared, the batch's request ids and scheduled drafts say which rows hold a
-  tree the proposer filed (:mod:`vllm_specstream.model_executor.tree_step`);
+  tree the proposer filed (:mod:`vllm_specstream.model_executor.trees.step`);
 * the runner builds its sampler from the module global ``RejectionSampler``, replaced by
-  :class:`~vllm_specstream.model_executor.tree_sampler.TreeRejectionSampler`;
+  :class:`~vllm_specstream.model_executor.trees.sampler.TreeRejectionSampler`;
 * the CPU attention backend is overridden through vLLM's public ``register_backend``
-  (:mod:`vllm_specstream.model_executor.tree_attention`).
+  (:mod:`vllm_specstream.model_executor.trees.attention`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs"
 def _wrap_prepare_inputs(prepare):
     @functools.wraps(prepare)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        from vllm_specstream.model_executor.tree_step import WORKER_TREES
+        from vllm_specstream.model_executor.trees.step import WORKER_TREES
 
         out = prepare(self, scheduler_output, num_scheduled_tokens)
         batch = self.input_batch
@@ -44,8 +44,8 @@ def _wrap_prepare_inputs(prepare):
 def _apply() -> None:
     from vllm.v1.worker import gpu_model_runner
 
-    from vllm_specstream.model_executor.tree_attention import register_tree_attention
-    from vllm_specstream.model_executor.tree_sampler import TreeRejectionSampler
+    from vllm_specstream.model_executor.trees.attention import register_tree_attention
+    from vllm_specstream.model_executor.trees.sampler import TreeRejectionSampler
 
     wrap_once(
         gpu_model_runner.GPUModelRunner,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_specstream.config import (
+from vllm_specstream.checkpoint.config import (
     CONFIG_FILE,
     MERGED_ARCHITECTURE,
     STREAM_FILE,

@@ -1,5 +1,5 @@
 """Building a task's draft vocabulary from its training split and writing it into an adapter
-(the vocabulary itself: :mod:`vllm_specstream.draft_vocab`)."""
+(the vocabulary itself: :mod:`vllm_specstream.checkpoint.draft_vocab`)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_specstream.config import (
+from vllm_specstream.checkpoint.config import (
     CONFIG_FILE,
     DRAFT_VOCAB_MASK,
     STREAM_FILE,
     ConfigError,
     SpecStreamConfig,
 )
-from vllm_specstream.draft_vocab import (
+from vllm_specstream.checkpoint.draft_vocab import (
     DEFAULT_DRAFT_VOCAB_SIZE,
     draft_vocab_ids,
     draft_vocab_mask,

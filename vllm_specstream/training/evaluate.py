@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specstream.config import CONFIG_FILE, ConfigError, counts_as_parameters
+from vllm_specstream.checkpoint.config import CONFIG_FILE, ConfigError, counts_as_parameters
 from vllm_specstream.training.metrics import task_metrics
 from vllm_specstream.training.model import SpecStreamModel
 from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_specstream.stream_math import stream_targets
+from vllm_specstream.streams.stream_math import stream_targets
 from vllm_specstream.training.model import SpecStreamModel
 
 Tensor = torch.Tensor

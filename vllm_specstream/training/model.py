@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_specstream.config import (
+from vllm_specstream.checkpoint.config import (
     DRAFT_VOCAB_MASK,
     STREAM_LORA_STAGES,
     ConfigError,
     SpecStreamConfig,
     stream_lora_name,
 )
-from vllm_specstream.stream_layer import run_layer, stream_layer
-from vllm_specstream.stream_math import (
+from vllm_specstream.streams.stream_layer import run_layer, stream_layer
+from vllm_specstream.streams.stream_math import (
     apply_rope,
     init_streams,
     multi_stream_attention,
@@ -162,7 +162,7 @@ class StreamLoRAProjections:
 
     base: HFProjections
     lora: dict[str, tuple[Tensor, Tensor]]
-    """Stage (:data:`~vllm_specstream.config.STREAM_LORA_STAGES`) -> ``(A, B)``."""
+    """Stage (:data:`~vllm_specstream.checkpoint.config.STREAM_LORA_STAGES`) -> ``(A, B)``."""
 
     def _delta(self, stage: str, x: Tensor) -> Tensor:
         a, b = self.lora[stage]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_specstream.config import CONFIG_FILE, SpecStreamConfig
+from vllm_specstream.checkpoint.config import CONFIG_FILE, SpecStreamConfig
 from vllm_specstream.machine import describe_machine
 
 #: Quality keys ``specstream eval`` may report (training/metrics.py ``task_metrics``).

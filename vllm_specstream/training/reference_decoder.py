@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_specstream.decode_math import (
+from vllm_specstream.streams.decode_math import (
     DraftTree,
     draft_tree,
     prune_tree,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specstream.config import ConfigError, SpecStreamConfig
+from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
 from vllm_specstream.logger import init_logger
 from vllm_specstream.training.checkpoint import (
     LoraSettings,

@@ -1,0 +1,60 @@
+"""`specstream export`: merge an adapter into its base, the checkpoint vLLM serves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from vllm_specstream.training.checkpoint import export_merged
+
+    if not args.merge:
+        print(
+            "specstream export: error: only --merge is implemented (vLLM loads merged checkpoints)",
+            file=sys.stderr,
+        )
+        return 2
+    from vllm_specstream.checkpoint.config import ConfigError
+
+    try:
+        out = export_merged(
+            args.adapter_dir, args.out_dir, base=args.base, suffix_drafts=args.suffix_drafts
+        )
+    except ConfigError as e:
+        print(f"specstream export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"Merged checkpoint written: {out}")
+    suffix = json.loads((out / "config.json").read_text())["specstream"].get("suffix_drafts")
+    if suffix:
+        print(
+            f"Serves with suffix drafts beside the streams by default ({suffix}; needs "
+            "arctic-inference: make suffix-decoding; the engine field suffix_drafts=off turns them "
+            'off: --additional-config \'{"specstream": {"suffix_drafts": "off"}}\')'
+        )
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="merge an adapter into its base: the checkpoint vLLM serves",
+        description="Write a merged checkpoint: LoRA merged into the base weights, the stream "
+        "tensors in specstream.safetensors, config.json with architectures "
+        "['SpecStreamForCausalLM'] and a 'specstream' section.",
+    )
+    p.add_argument("adapter_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--merge", action="store_true", help="merge LoRA into the weights (required)")
+    p.add_argument("--base", help="base model dir (default: the one recorded in the adapter)")
+    p.add_argument(
+        "--suffix-drafts",
+        metavar="on|off|SCORE",
+        help="the checkpoint's serving default of suffix drafts beside the streams "
+        "(specstream.suffix_drafts; the engine field suffix_drafts overrides it at serving time): "
+        "'on' where suffix-tree drafts were measured to pay on the task (they need "
+        "arctic-inference; without it the streams draft alone), 'off' to clear it "
+        "(default: the adapter's specstream_config.json)",
+    )
+    p.set_defaults(func=_cmd_export)

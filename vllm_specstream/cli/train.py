@@ -1,0 +1,382 @@
+"""`specstream train`: fine-tune LoRA + streams (or a baseline) on a task."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from vllm_specstream.cli.common import (
+    DATA_HELP as _DATA_HELP,
+)
+from vllm_specstream.cli.common import (
+    TASK_HELP as _TASK_HELP,
+)
+from vllm_specstream.cli.common import (
+    add_split_args as _add_split_args,
+)
+
+
+def _train_task(args: argparse.Namespace) -> str | None:
+    """The task ``train`` reads: ``--data`` without ``--task`` is generic JSONL (None), and a
+    public task with neither is None too (it has no synthetic builder, except sql)."""
+    from vllm_specstream.training.tasks import TASKS
+
+    if args.task is None:
+        return None if args.data else "sql"
+    return args.task if args.data or args.task in TASKS else None
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from vllm_specstream.checkpoint.config import LossConfig, PruneConfig, SpecStreamConfig
+    from vllm_specstream.training.checkpoint import LoraSettings
+    from vllm_specstream.training.tasks import PUBLIC_TASKS
+    from vllm_specstream.training.train import TrainArgs, train
+
+    task = _train_task(args)
+    if task is None and not args.data:
+        print(f"specstream train: error: --task {args.task} needs --data FILE", file=sys.stderr)
+        return 2
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        print(
+            f"specstream train: error: --max-minutes {args.max_minutes}: must be > 0",
+            file=sys.stderr,
+        )
+        return 2
+    if args.lora_lr is not None and not args.lora_lr >= 0:
+        print(f"specstream train: error: --lora-lr {args.lora_lr}: must be >= 0", file=sys.stderr)
+        return 2
+    # The split settings only mean something for a task file.
+    split = (
+        {"val_fraction": args.val_fraction, "split_seed": args.split_seed}
+        if args.data and task in PUBLIC_TASKS
+        else {}
+    )
+    if args.sql_rename_copies and not (args.data and task == "sql"):
+        print(
+            "specstream train: error: --sql-rename-copies needs --task sql --data FILE "
+            "(records with a CREATE TABLE context)",
+            file=sys.stderr,
+        )
+        return 2
+    if not (args.sql_rename_copies >= 0 and 0.0 <= args.sql_rename_rate <= 1.0):
+        print(
+            "specstream train: error: --sql-rename-copies must be >= 0 and --sql-rename-rate "
+            f"in [0, 1], got {args.sql_rename_copies} and {args.sql_rename_rate}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.sql_rename_copies:
+        split.update(sql_rename_copies=args.sql_rename_copies, sql_rename_rate=args.sql_rename_rate)
+    base = args.base
+    if base is None:
+        from vllm_specstream.base_model import prepare_base
+
+        base = str(prepare_base())
+    spec = SpecStreamConfig(
+        num_streams=args.num_streams,
+        num_msa_layers=args.num_msa_layers,
+        stream_position=args.stream_position,
+        init_rank=args.init_rank,
+        stream_lora_rank=_stream_lora_rank(args),
+        prune=PruneConfig(enabled=args.prune, rank=args.prune_rank, threshold=args.prune_threshold),
+        loss=LossConfig(a0=args.a0, a_j=args.a_j),
+    )
+    lora = (
+        None
+        if args.lora_rank == 0 or args.objective == "streams-only"
+        else LoraSettings(
+            rank=args.lora_rank,
+            layers=args.lora_layers,
+            target_modules=args.lora_targets.split(","),
+        )
+    )
+    train_args = TrainArgs(
+        base=base,
+        out=args.out,
+        task=task,
+        data=args.data,
+        eval_data=args.eval_data,
+        **split,
+        objective=args.objective,
+        init_from=args.init_from,
+        medusa_heads=args.medusa_heads,
+        spec=spec,
+        lora=lora,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        lora_lr=args.lora_lr,
+        stream_lr=args.stream_lr,
+        stream_init_std=args.stream_init_std,
+        stream_init_scale=args.stream_init_scale,
+        warmup_steps=args.warmup_steps,
+        max_length=args.max_length,
+        num_train=args.num_train,
+        num_eval=args.num_eval,
+        dtype=args.dtype,
+        device=args.device,
+        save_every=args.save_every,
+        eval_every=args.eval_every,
+        seed=args.seed,
+        max_minutes=args.max_minutes,
+        continue_from=args.continue_from,
+        pack=args.pack,
+        frozen_prefix=args.frozen_prefix,
+    )
+    # streams-only, and a run continuing an adapter (--init-from), write the replies they
+    # lack into the --distill file; other runs only read it
+    continues = bool(args.init_from) and args.objective in ("specstream", "ntp")
+    if args.distill:
+        writes = args.objective == "streams-only" or continues
+        train_args.distill = _distill_file(args.distill, not writes)
+    if args.objective == "streams-only":
+        train_args.distill = str(_self_distill(train_args, args))
+    elif args.distill and continues:
+        train_args.distill = str(_self_distill(train_args, args, adapter=args.init_from))
+    train(train_args)
+    return 0
+
+
+def _stream_lora_rank(args: argparse.Namespace) -> int:
+    """``--stream-lora-rank``; by default --lora-rank for streams-only, else 0."""
+    if args.stream_lora_rank is not None:
+        return args.stream_lora_rank
+    return args.lora_rank if args.objective == "streams-only" else 0
+
+
+def _distill_file(path: str, must_exist: bool) -> str:
+    """``--distill``: a self-distillation file, or a run directory holding one."""
+    from vllm_specstream.training.replies import DISTILL_FILE
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / DISTILL_FILE
+    if must_exist and not p.is_file():
+        raise SystemExit(
+            f"specstream train: error: --distill {path}: no such file (give a {DISTILL_FILE} "
+            "or the streams-only run directory that holds it)"
+        )
+    return str(p)
+
+
+def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = None) -> Path:
+    """The replies of the model the run drafts for (the base; with ``adapter``, that adapter
+    merged into the base) to the run's prompts (train and held out), made with vLLM and
+    cached in ``--distill`` if given, else in the run's directory."""
+    import tempfile
+
+    from vllm_specstream.training.replies import (
+        DISTILL_FILE,
+        DistillSettings,
+        distill_replies,
+        prompts_without_reply,
+    )
+    from vllm_specstream.training.train import load_examples
+
+    examples = [
+        *load_examples(train_args, "train", train_args.num_train, distilled=False),
+        *load_examples(train_args, "test", train_args.num_eval, distilled=False),
+    ]
+    settings = DistillSettings(max_tokens=args.distill_max_tokens, dtype=args.distill_dtype)
+    path = Path(train_args.distill or Path(args.out) / DISTILL_FILE)
+    if adapter is None:
+        return distill_replies(train_args.base, examples, path, settings)
+    if not prompts_without_reply(examples, path):
+        return path
+    from vllm_specstream.training.checkpoint import export_merged
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.out, prefix="distill-model-") as tmp:
+        merged = export_merged(adapter, Path(tmp) / "merged", base=train_args.base)
+        return distill_replies(str(merged), examples, path, settings)
+
+
+def add_parser(sub) -> None:
+    from vllm_specstream.training.tasks import ALL_TASKS
+    from vllm_specstream.training.tasks.sql_rename import DEFAULT_RENAME_RATE
+
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+
+    p = sub.add_parser(
+        "train",
+        help="fine-tune LoRA + stream embeddings (or plain LoRA) on a task",
+        description="Train an adapter checkpoint (docs/checkpoint-format.md) with the multi-stream objective "
+        "(paper eq. 5) or plain next-token loss. Saves every --save-every steps to OUT/checkpoint "
+        "and resumes from there when run again with the same --out.",
+        formatter_class=defaults,
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--base", help="base model dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--task",
+        choices=ALL_TASKS,
+        help=_TASK_HELP + "; not given (%(default)s): sql, or with --data generic JSONL of "
+        "prompt/completion or messages records",
+    )
+    p.add_argument(
+        "--data",
+        help=_DATA_HELP + "; training uses the part --val-fraction does not hold out "
+        "(every reference is one example)",
+    )
+    p.add_argument(
+        "--eval-data",
+        help="held-out file, same format as --data (default: the part of --data held out, "
+        "else the synthetic task's test split)",
+    )
+    _add_split_args(p, choose_split=False, val_note="; 0 trains on all of it")
+    p.add_argument(
+        "--sql-rename-copies",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--task sql: add N copies of each training record with its tables and columns "
+        "renamed (consistently in schema, question and query), so the model copies names "
+        "from the schema instead of memorising the training databases' (default: 0)",
+    )
+    p.add_argument(
+        "--sql-rename-rate",
+        type=float,
+        default=DEFAULT_RENAME_RATE,
+        help="share of the schema's word parts a renamed copy renames (default: %(default)s)",
+    )
+    p.add_argument(
+        "--objective",
+        default="specstream",
+        choices=["specstream", "ntp", "medusa", "streams-only", "prune"],
+        help="specstream: LoRA + streams (paper eq. 5); ntp: LoRA alone (the quality "
+        "baseline); medusa: Medusa heads on the frozen --base; streams-only: streams and a "
+        "stream-row LoRA on the frozen --base, trained on its own greedy replies to the "
+        "task's prompts (generated with vLLM, cached in OUT/self_distill.jsonl): served, its "
+        "outputs are the base model's; prune: the tree-pruning adapter alone (paper 3.2.3), "
+        "added to the trained adapter --init-from (OUT: that adapter plus the pruning tensors)",
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="ADAPTER_DIR",
+        help="a trained adapter to start from: with --objective prune, the adapter the pruning "
+        "adapter is added to; with --objective medusa, trained heads (OUT of an earlier medusa "
+        "run, same --medusa-heads) to train further; otherwise its LoRA and streams are "
+        "trained further (the same --num-streams, --num-msa-layers, --init-rank)",
+    )
+    p.add_argument(
+        "--stream-lora-rank",
+        type=int,
+        help="rank of the LoRA on the stream rows only (default: --lora-rank with "
+        "streams-only, else 0)",
+    )
+    p.add_argument(
+        "--distill",
+        metavar="FILE",
+        help="learn the model's own greedy replies (a self_distill.jsonl, or the streams-only "
+        "run directory holding one) instead of the task's references: with --init-from, "
+        "the replies of that adapter merged (generated with vLLM into FILE where missing), so "
+        "that its streams learn what it says; with medusa, e.g. the replies a streams-only "
+        "run wrote for the same base",
+    )
+    p.add_argument(
+        "--distill-max-tokens",
+        type=int,
+        default=256,
+        help="streams-only and --init-from with --distill: longest reply to learn from",
+    )
+    p.add_argument(
+        "--distill-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="streams-only and --init-from with --distill: dtype of the vLLM engine that "
+        "writes the replies (that of the deployment)",
+    )
+    p.add_argument("--medusa-heads", type=int, default=4, help="heads for --objective medusa")
+    p.add_argument("--num-streams", type=int, default=4, help="gamma")
+    p.add_argument("--num-msa-layers", type=int, default=6, help="N_s")
+    p.add_argument("--stream-position", default="shifted", choices=["shifted", "anchor"])
+    p.add_argument("--init-rank", type=int, default=0, help="eta (0 = identity init)")
+    p.add_argument("--prune", action="store_true", help="also train the tree-pruning adapter")
+    p.add_argument("--prune-rank", type=int, default=8)
+    p.add_argument("--prune-threshold", type=float, default=0.01)
+    p.add_argument("--a0", type=float, default=1.0, help="main-stream loss weight")
+    p.add_argument("--a-j", type=float, default=0.1, help="stream loss weight")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=32,
+        help="0 = no LoRA (the frozen base: streams and adapters train alone)",
+    )
+    p.add_argument("--lora-layers", default="all", help="all, msa, or indices like 24,25")
+    p.add_argument(
+        "--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    )
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument(
+        "--lora-lr",
+        type=float,
+        help="learning rate of the main model's LoRA alone (default: --lr); 0 freezes it: "
+        "with --init-from and --distill the streams learn the adapter's own replies while "
+        "its outputs stay exactly what they were",
+    )
+    p.add_argument("--stream-lr", type=float, default=2e-2)
+    p.add_argument(
+        "--stream-init-std", type=float, default=0.02, help="used with --stream-init-scale 0"
+    )
+    p.add_argument(
+        "--stream-init-scale",
+        type=float,
+        default=0.5,
+        help="stream embedding norm as a fraction of the residual norm at L0",
+    )
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--num-train", type=int, help="built-in task records to generate")
+    p.add_argument("--num-eval", type=int, default=64)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="training precision (auto: bf16 on a GPU or a CPU with native bf16, else fp32)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N, or auto (a CUDA GPU when PyTorch sees one); the adapter "
+        "written is the same",
+    )
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        metavar="M",
+        help="stop after the first step past M minutes of training and write the adapter as it "
+        "stands, with OUT/train_state.json (step reached, examples seen); the same command "
+        "continues from OUT/checkpoint, --continue-from continues from the adapter alone",
+    )
+    p.add_argument(
+        "--continue-from",
+        metavar="ADAPTER_DIR",
+        help="continue an unfinished run (--max-minutes) from its adapter alone, e.g. one "
+        "committed or copied from another machine: at its step, with the data order and "
+        "learning-rate schedule of the whole run (the same settings and --data; checked), so "
+        "no example repeats before all have been seen; the optimizer's moments restart under "
+        "a --warmup-steps warm-up",
+    )
+    p.add_argument(
+        "--no-pack",
+        dest="pack",
+        action="store_false",
+        help="pad each batch to its longest example instead of packing examples into rows "
+        "(same loss, slower)",
+    )
+    p.add_argument(
+        "--no-frozen-prefix",
+        dest="frozen_prefix",
+        action="store_false",
+        help="recompute the frozen layers below the lowest LoRA layer at every step instead of "
+        "once per example (same loss, slower; the cache applies with --lora-layers msa)",
+    )
+    p.set_defaults(func=_cmd_train)

@@ -1,0 +1,396 @@
+"""The plugin's per-engine configuration: one typed dataclass, read once per engine.
+
+Every setting travels with vLLM's engine config, so that each engine of a process (and every
+process of an engine) reads the same:
+
+* vLLM's ``speculative_config`` where vLLM has the field: ``num_speculative_tokens`` and
+  ``num_speculative_tokens_per_batch_size`` (a fixed schedule instead of the adaptive
+  policy);
+* vLLM's channel for out-of-tree settings for the plugin's own fields (:data:`FIELDS`):
+  ``LLM(..., additional_config={"specstream": {...}})``,
+  ``vllm serve --additional-config '{"specstream": {...}}'``;
+* the checkpoint's ``specstream`` section for per-checkpoint defaults (``suffix_drafts``,
+  ``prune.threshold``), which the fields above override.
+
+Environment variables remain only for process-level switches (``SPECSTREAM_HOME``,
+``SPECSTREAM_SKIP_VLLM_VERSION_CHECK``, ``SPECSTREAM_IOMP_PRELOAD``); a process that still sets
+a per-engine variable of earlier releases is refused, naming the field that replaces it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vllm_specstream import PROPOSER
+from vllm_specstream.checkpoint.config import ConfigError, suffix_min_score_from
+from vllm_specstream.speculation.suffix_drafts import suffix_cache_class
+
+#: The key of ``additional_config`` that holds the plugin's fields.
+KEY = "specstream"
+#: Where the streams run (:mod:`vllm_specstream.model_executor.specstream`).
+PLACEMENTS = ("window", "accepted")
+STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
+SCHEDULE_OPTION = "num_speculative_tokens_per_batch_size"
+
+#: The plugin's fields of ``additional_config["specstream"]`` and what each takes.
+FIELDS = {
+    "placement": f"one of {list(PLACEMENTS)}, or null for the faster on this engine",
+    "stream_dtype": f"one of {list(STREAM_DTYPE_MODES)}",
+    "tree_top_k": "candidates per stream of a draft tree: an int for every stream or a list "
+    "of one per stream, e.g. 2 or [3, 2, 1, 1]; 0 or null: chain drafts",
+    "tree_prune": "the early-exit pruning threshold of draft trees, in [0, 1), or 'off'; "
+    "null: the checkpoint's prune.threshold",
+    "suffix_drafts": "'on' (suffix drafts where they yield as many tokens per step cost as "
+    "the streams), a score threshold >= 0, or 'off'; null: the checkpoint's suffix_drafts",
+    "draft_min_prob": "the confidence rule's threshold in [0, 1); 0: off",
+}
+
+#: Per-engine variables of earlier releases and the field that replaces each.
+RETIRED_VARIABLES = {
+    "SPECSTREAM_STREAM_DTYPE": "stream_dtype",
+    "SPECSTREAM_DRAFT_MIN_PROB": "draft_min_prob",
+    "SPECSTREAM_TREE_TOP_K": "tree_top_k",
+    "SPECSTREAM_TREE_PRUNE": "tree_prune",
+    "SPECSTREAM_SUFFIX_DRAFTS": "suffix_drafts",
+}
+#: Proposer class paths of earlier releases, and the placement each pinned (None: none).
+RETIRED_PROPOSERS = {
+    "vllm_specstream.proposer.SpecStreamProposer": None,
+    "vllm_specstream.proposer.WindowSpecStreamProposer": "window",
+    "vllm_specstream.proposer.AcceptedSpecStreamProposer": "accepted",
+}
+
+
+def field_hint(name: str, value: object) -> str:
+    """How a user sets field ``name`` to ``value``, in both of vLLM's spellings."""
+    doc = json.dumps({KEY: {name: value}})
+    return f"LLM(..., additional_config={doc}) or vllm serve --additional-config '{doc}'"
+
+
+@dataclass(frozen=True)
+class SpecStreamOptions:
+    """The configuration of one engine (see :func:`read_options`)."""
+
+    num_speculative_tokens: int = 0
+    """Draft length at most (vLLM's ``num_speculative_tokens``); 0: speculation off."""
+    placement: str | None = None
+    """``window`` (streams for every position of the verified window, inside the forward) or
+    ``accepted`` (streams at the last accepted position only); None: the model's default
+    (window where the decoder runs eagerly, else accepted)."""
+    schedule: tuple[tuple[int, int, int], ...] | None = None
+    """The user's ``num_speculative_tokens_per_batch_size``; None: the adaptive policy
+    (:mod:`vllm_specstream.speculation.policy`)."""
+    stream_dtype: str = "auto"
+    """``auto``, ``model`` or ``bfloat16``
+    (:mod:`vllm_specstream.model_executor.stream_weights`)."""
+    draft_min_prob: float = 0.0
+    """The confidence rule's threshold in ``[0, 1)``: a draft stops where the streams'
+    cumulative probability falls below it; 0 off."""
+    tree_top_k: tuple[int, ...] | None = None
+    """Candidates per stream of the draft tree (one for every stream, or one per stream);
+    None: chain drafts. The tree's nodes are the first ``num_speculative_tokens`` of
+    :func:`vllm_specstream.streams.draft_trees.tree_template`."""
+    tree_prune: float | None = None
+    """Early-exit pruning threshold of draft trees in ``[0, 1)`` (0: no pruning); None: the
+    checkpoint's ``prune.threshold`` where it has a pruning adapter
+    (:mod:`vllm_specstream.model_executor.trees.pruning`), else no pruning."""
+    suffix_min_score: float | None = None
+    """Field ``suffix_drafts``, else the checkpoint's (:mod:`vllm_specstream.speculation.suffix_drafts`):
+    a request's step drafts from the suffix trees where their draft's score reaches this
+    (nan: where they yield as many tokens per step cost as the streams); None: the streams
+    only."""
+    suffix_from_checkpoint: bool = False
+    """Whether ``suffix_min_score`` is the checkpoint's default (the field unset)."""
+    suffix_skipped: str | None = None
+    """Why the checkpoint's suffix-drafts default is not followed (None: it is, or there is
+    none, or the field is set): :func:`suffix_default_skipped`."""
+
+    @property
+    def trees(self) -> bool:
+        return self.tree_top_k is not None
+
+
+def drafts_with_streams(spec) -> bool:
+    """Whether vLLM's ``speculative_config`` drafts with this plugin's streams (its
+    ``custom_class`` proposer). Another method on a specstream checkpoint (vLLM's ngram,
+    suffix, Medusa, or another proposer class) leaves the streams idle: the model then runs
+    as plain decoding does."""
+    if spec is None or getattr(spec, "method", "custom_class") != "custom_class":
+        return False
+    return getattr(spec, "model", None) in (None, PROPOSER)
+
+
+def check_proposer(path: str | None) -> None:
+    """Refuse a proposer class path of an earlier release, naming its replacement."""
+    if str(path) not in RETIRED_PROPOSERS:
+        return
+    placement = RETIRED_PROPOSERS[str(path)]
+    raise ConfigError(
+        f"speculative_config model={path!r} was moved: use {PROPOSER!r} (or the alias "
+        "'specstream')"
+        + (
+            f" with field placement={placement!r}: {field_hint('placement', placement)}"
+            if placement
+            else ""
+        )
+    )
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse a per-engine variable of an earlier release, naming the field that replaces it."""
+    for name, field_name in RETIRED_VARIABLES.items():
+        text = environ.get(name, "").strip()
+        if text:
+            raise ConfigError(
+                f"{name} is no longer read: set field {field_name!r} of the engine instead, "
+                f"{field_hint(field_name, _as_field_value(text))}; unset {name}"
+            )
+
+
+def _as_field_value(text: str) -> object:
+    """A retired variable's value as its field takes it (``3,2,1,1`` -> ``[3, 2, 1, 1]``)."""
+    try:
+        values = [json.loads(part) for part in text.split(",")]
+    except ValueError:
+        return text
+    return values[0] if len(values) == 1 else values
+
+
+def fields_of(vllm_config) -> dict:
+    """``additional_config["specstream"]`` of vLLM's engine config ({} when absent); a
+    malformed section or an unknown field raises ``ConfigError`` naming it."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    raw = additional.get(KEY, {}) if isinstance(additional, Mapping) else {}
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"additional_config[{KEY!r}] must be a mapping of fields, got {raw!r}; e.g. "
+            f"{field_hint('tree_top_k', 2)}"
+        )
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), FIELDS, n=1)
+        raise ConfigError(
+            f"additional_config[{KEY!r}]: unknown field(s) {unknown}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; the fields are {sorted(FIELDS)}"
+        )
+    return dict(raw)
+
+
+def check_fields(additional_config: Mapping | None) -> SpecStreamOptions:
+    """Parse the plugin's fields of an ``additional_config`` (as ``LLM(...)`` takes it) as an
+    engine would; raises ``ConfigError`` naming a bad field."""
+    from types import SimpleNamespace
+
+    return _read_options(SimpleNamespace(additional_config=additional_config or {}))
+
+
+def _bad(name: str, value: object) -> ConfigError:
+    return ConfigError(f"additional_config[{KEY!r}][{name!r}]={value!r}: expected {FIELDS[name]}")
+
+
+def _probability(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise _bad(name, value)
+    return float(value)
+
+
+def placement_from(value: object) -> str | None:
+    if value is None or value in PLACEMENTS:
+        return value  # type: ignore[return-value]
+    raise _bad("placement", value)
+
+
+def stream_dtype_from(value: object) -> str:
+    mode = "auto" if value is None else str(value).strip().lower()
+    if mode not in STREAM_DTYPE_MODES:
+        raise _bad("stream_dtype", value)
+    return mode
+
+
+def draft_min_prob_from(value: object) -> float:
+    return 0.0 if value is None else _probability("draft_min_prob", value)
+
+
+def tree_prune_from(value: object) -> float | None:
+    """A threshold, ``off`` (returned as 0: prunes nothing), or None (unset)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return 0.0
+    return _probability("tree_prune", value)
+
+
+def tree_top_k_from(value: object) -> tuple[int, ...] | None:
+    """``2`` (two candidates from every stream) or one count per stream (``[3, 2, 1, 1]``);
+    None, 0 or all ones: chains."""
+    if value is None or value == 0:
+        return None
+    ks = value if isinstance(value, list | tuple) else [value]
+    if not ks or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in ks):
+        raise _bad("tree_top_k", value)
+    return None if all(k == 1 for k in ks) else tuple(ks)
+
+
+def suffix_drafts_from(value: object) -> float | None:
+    """Field ``suffix_drafts`` as :func:`~vllm_specstream.speculation.suffix_drafts.suffix_min_score_from`
+    reads it (None: off)."""
+    if value is None:
+        return None
+    try:
+        return suffix_min_score_from(str(value))
+    except ConfigError:
+        raise _bad("suffix_drafts", value) from None
+
+
+TREE_PRUNE_NO_ADAPTER = (
+    "field tree_prune={threshold:g}: the checkpoint has no pruning adapter ({where}: "
+    "specstream.prune.enabled is false); add one with `specstream train --objective prune "
+    "--init-from ADAPTER` and export it again, or leave tree_prune out"
+)
+TREES_TP_ERROR = (
+    "field tree_top_k (draft trees) needs tensor_parallel_size 1, got {tp}; leave it out to "
+    "draft chains"
+)
+SUFFIX_WITH_TREES = (
+    "field suffix_drafts drafts chains beside the streams, not trees: leave out tree_top_k "
+    "or suffix_drafts"
+)
+
+
+def draft_tree_of(options: SpecStreamOptions, num_streams: int):
+    """The draft tree of ``options``: the first ``num_speculative_tokens`` nodes of the
+    template of ``num_streams`` streams and ``tree_top_k`` (its top-1 chain first)."""
+    from vllm_specstream.streams.draft_trees import tree_template
+
+    ks = options.tree_top_k
+    if ks is None:
+        return None
+    if len(ks) not in (1, num_streams):
+        raise ConfigError(
+            f"field tree_top_k={list(ks)}: give one count for all streams or one per stream "
+            f"(the checkpoint has num_streams={num_streams})"
+        )
+    k = options.num_speculative_tokens
+    template = tree_template(num_streams, ks[0] if len(ks) == 1 else ks, max_nodes=k)
+    if template.num_nodes < k:
+        raise ConfigError(
+            f"num_speculative_tokens={k} exceeds the {template.num_nodes} nodes of the draft "
+            f"tree (field tree_top_k={list(ks)}, num_streams={num_streams})"
+        )
+    return template
+
+
+#: The last read: (engine config, options), so that the model and the proposer of one
+#: worker share one read.
+_last_read: tuple[object, SpecStreamOptions] | None = None
+
+
+def read_options(vllm_config=None, environ: Mapping[str, str] | None = None) -> SpecStreamOptions:
+    """The configuration of the engine of ``vllm_config`` (None, or speculation by another
+    method: the streams are off), read once per engine config; bad values raise
+    ``ConfigError`` naming the field. ``environ`` (default: this process's) is checked for
+    retired per-engine variables."""
+    global _last_read
+    check_environment(os.environ if environ is None else environ)
+    if _last_read is not None and _last_read[0] is vllm_config and vllm_config is not None:
+        return _last_read[1]
+    options = _read_options(vllm_config)
+    if vllm_config is not None:
+        _last_read = (vllm_config, options)
+    return options
+
+
+def _read_options(vllm_config) -> SpecStreamOptions:
+    raw = fields_of(vllm_config)
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        check_proposer(getattr(spec, "model", None))
+    if not drafts_with_streams(spec):
+        spec = None
+    k = int(spec.num_speculative_tokens or 0) if spec is not None else 0
+    schedule = getattr(spec, SCHEDULE_OPTION, None) if spec is not None else None
+    # Every field is parsed (a bad value fails even where speculation is off).
+    trees = tree_top_k_from(raw.get("tree_top_k"))
+    user_suffix = suffix_drafts_from(raw.get("suffix_drafts"))
+    if trees is not None and user_suffix is not None:
+        raise ConfigError(SUFFIX_WITH_TREES)
+    options = dict(
+        placement=placement_from(raw.get("placement")),
+        stream_dtype=stream_dtype_from(raw.get("stream_dtype")),
+        draft_min_prob=draft_min_prob_from(raw.get("draft_min_prob")),
+        tree_prune=tree_prune_from(raw.get("tree_prune")),
+    )
+    if not k:
+        return SpecStreamOptions(**options)
+    # Suffix drafts: the field where set, else the checkpoint's default where it can be
+    # followed (why not, said by the proposer).
+    suffix_min_score, skipped = user_suffix, None
+    default = checkpoint_suffix_drafts(vllm_config) if raw.get("suffix_drafts") is None else None
+    if default is not None:
+        try:
+            suffix_min_score_from(default)
+        except ConfigError:
+            raise ConfigError(
+                f"{_model_name(vllm_config)} config.json (specstream): suffix_drafts must be "
+                f"'on', 'off' or a score threshold >= 0, got {default!r}"
+            ) from None
+        skipped = suffix_default_skipped(default, trees=trees is not None)
+        suffix_min_score = None if skipped else suffix_min_score_from(default)
+    return SpecStreamOptions(
+        num_speculative_tokens=k,
+        schedule=tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None,
+        tree_top_k=trees,
+        suffix_min_score=suffix_min_score,
+        suffix_from_checkpoint=default is not None and suffix_min_score is not None,
+        suffix_skipped=skipped,
+        **options,
+    )
+
+
+def _model_name(vllm_config) -> str:
+    return str(getattr(getattr(vllm_config, "model_config", None), "model", "the checkpoint's"))
+
+
+def checkpoint_suffix_drafts(vllm_config) -> str | None:
+    """The served checkpoint's ``specstream.suffix_drafts`` (None: it has none, or it is
+    not a specstream checkpoint)."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    section = getattr(hf_config, "specstream", None)
+    value = section.get("suffix_drafts") if isinstance(section, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
+def suffix_default_skipped(checkpoint_default: str, *, trees: bool) -> str | None:
+    """Why a checkpoint's ``suffix_drafts`` default is not followed (None: it is): the user
+    asked for draft trees, or arctic-inference is not importable. A default the user did not
+    set is never an error; the engine serves the streams alone and says why once."""
+    if suffix_min_score_from(checkpoint_default) is None:
+        return None
+    not_followed = (
+        f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed"
+    )
+    if trees:
+        return f"{not_followed}: field tree_top_k asks for draft trees, which draft without them"
+    if not suffix_decoding_importable():
+        return (
+            f"{not_followed}: arctic-inference's suffix decoding is not importable, so the "
+            "streams draft alone (`make suffix-decoding` builds it for this CPU where the "
+            f"plugin finds it; {field_hint('suffix_drafts', 'off')} silences this)"
+        )
+    return None
+
+
+def suffix_decoding_importable() -> bool:
+    """Whether arctic-inference's suffix decoding (vLLM's ``suffix`` method's) imports."""
+    try:
+        suffix_cache_class()
+    except ConfigError:
+        return False
+    return True
