@@ -1,4 +1,4 @@
-"""Stream rows' adapter deltas under vLLM multi-LoRA (model_executor/lora_streams.py)."""
+"""Stream rows' adapter deltas under vLLM multi-LoRA (model_executor/lora/lora_streams.py)."""
 
 from types import SimpleNamespace
 

@@ -74,7 +74,7 @@ SPEC_PROMPTS = [
 
 def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, tmp_path):
     # Each stream row takes its own request's adapter through the MSA layers
-    # (model_executor/lora_streams.py); the main rows stay vLLM's. Two adapters and base
+    # (model_executor/lora/lora_streams.py); the main rows stay vLLM's. Two adapters and base
     # requests in one batch: the streams must neither crash nor change an output.
     first = random_peft_adapter(tiny_merged, tmp_path / "a1")
     second = random_peft_adapter(tiny_merged, tmp_path / "a2", targets=("gate_proj", "up_proj"))

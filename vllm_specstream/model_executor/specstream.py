@@ -112,7 +112,7 @@ class SpecStreamMixin:
         hf_config = vllm_config.model_config.hf_config
         self.spec_config = read_specstream_section(hf_config)
         #: False for a base model served for specstream LoRA adapters: its requests draft
-        #: with their adapter's streams only (:mod:`.adapter_streams`).
+        #: with their adapter's streams only (:mod:`.lora.adapter_streams`).
         self.own_streams = not adapter_streams_only(hf_config)
         self.specstream = StreamParams(
             self.spec_config, hf_config.hidden_size, self.own_streams, hf_config
@@ -161,7 +161,7 @@ class SpecStreamMixin:
         self.first_msa_layer = n - self.spec_config.num_msa_layers
         self.prune_layer = self.spec_config.prune_layer(n)
         self._layer_prefix = f"{prefix}.model." if prefix else "model."
-        #: Early-exit pruning threshold of draft trees (0: off; :mod:`.tree_pruning`).
+        #: Early-exit pruning threshold of draft trees (0: off; :mod:`.trees.pruning`).
         self.prune_threshold = self._prune_threshold(vllm_config) if self.tree is not None else 0.0
         #: Whether the next forward prunes its trees (the proposer's per-step choice).
         self.prune_trees = True

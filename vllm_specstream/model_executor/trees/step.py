@@ -65,7 +65,7 @@ class StepTrees:
     #: chain layout (offset = number of accepted drafts).
     anchor_offsets: dict[int, int] = field(default_factory=dict)
     #: Filled by the forward when early-exit pruning dropped nodes: batch row -> the node
-    #: indices kept (only those can be accepted; :mod:`.tree_pruning`).
+    #: indices kept (only those can be accepted; :mod:`.pruning`).
     kept: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def row_tree(self, row: int) -> RowTree | None:
