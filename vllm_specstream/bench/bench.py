@@ -65,7 +65,7 @@ METHODS = (
 #: Methods that draft trees (field ``tree_top_k`` of their engine).
 TREE_METHODS = ("specstream-tree", "specstream-tree-fixed", "specstream-tree-pruned")
 #: Methods a bench runs only when named (``--methods``).
-ON_REQUEST = ("plain-control", "specstream-fixed", "specstream-suffix", *TREE_METHODS)
+ON_REQUEST = ("specstream-fixed", "specstream-suffix", *TREE_METHODS)
 #: Methods that import arctic-inference's suffix trees in the engine.
 SUFFIX_METHODS = ("suffix", "specstream-suffix")
 
@@ -117,8 +117,9 @@ class BenchConfig:
     max_tokens: int = 128
     repeats: int = 2
     """Each (temperature, batch size) cell runs its prompts this many times."""
-    rounds: int = 1
-    """Times the whole method list runs (alternating order); speedups are per-round ratios."""
+    rounds: int = 3
+    """Times the whole method list runs (alternating order); speedups are the median of the
+    per-round ratios (a shared machine's speed drifts over minutes)."""
     dtype: str = "float32"
     """fp32 is the fast dtype on CPUs without native bf16 matmuls (see README)."""
     ngram_lookup: tuple[int, int] = (2, 4)

@@ -112,7 +112,7 @@ def add_parser(sub) -> None:
         "specstream-tree-fixed (the whole tree at every step, unpruned), "
         "specstream-tree-pruned (trees at every step, pruned by the checkpoint's early-exit "
         "adapter: --tree-prune) "
-        "(default: all but plain-control, specstream-fixed, specstream-suffix and the tree "
+        "(default: all but specstream-fixed, specstream-suffix and the tree "
         "methods; medusa only "
         "with --medusa, "
         "suffix only where arctic-inference is importable)",
@@ -152,9 +152,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--rounds",
         type=int,
-        default=1,
+        default=3,
         help="runs of the whole method list, alternating order; speedups are the median of "
-        "per-round ratios (use 2-3 on a shared machine, whose speed drifts over minutes)",
+        "per-round ratios (a shared machine's speed drifts over minutes; the plain-control "
+        "row shows how much)",
     )
     p.add_argument("--dtype", default="float32", help="engine dtype (fp32 is fast on CPUs)")
     p.add_argument(
