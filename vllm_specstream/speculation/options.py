@@ -335,14 +335,15 @@ def _read_options(vllm_config) -> SpecStreamOptions:
     default = checkpoint_suffix_drafts(vllm_config) if raw.get("suffix_drafts") is None else None
     if default is not None:
         try:
-            suffix_min_score_from(default)
+            default_score = suffix_min_score_from(default)
         except ConfigError:
             raise ConfigError(
                 f"{_model_name(vllm_config)} config.json (specstream): suffix_drafts must be "
                 f"'on', 'off' or a score threshold >= 0, got {default!r}"
             ) from None
-        skipped = suffix_default_skipped(default, trees=trees is not None)
-        suffix_min_score = None if skipped else suffix_min_score_from(default)
+        if default_score is not None:
+            skipped = suffix_default_skipped(default, trees=trees is not None)
+        suffix_min_score = None if skipped else default_score
     return SpecStreamOptions(
         num_speculative_tokens=k,
         schedule=tuple(tuple(int(x) for x in e) for e in schedule) if schedule else None,
@@ -368,11 +369,10 @@ def checkpoint_suffix_drafts(vllm_config) -> str | None:
 
 
 def suffix_default_skipped(checkpoint_default: str, *, trees: bool) -> str | None:
-    """Why a checkpoint's ``suffix_drafts`` default is not followed (None: it is): the user
-    asked for draft trees, or arctic-inference is not importable. A default the user did not
-    set is never an error; the engine serves the streams alone and says why once."""
-    if suffix_min_score_from(checkpoint_default) is None:
-        return None
+    """Why a checkpoint's ``suffix_drafts`` default (one that drafts) is not followed (None:
+    it is): the user asked for draft trees, or arctic-inference is not importable. A default
+    the user did not set is never an error; the engine serves the streams alone and says why
+    once."""
     not_followed = (
         f"the checkpoint's specstream.suffix_drafts={checkpoint_default!r} is not followed"
     )
