@@ -8,8 +8,8 @@ on every engine alike. A step runs from one ``execute_model`` call of an engine 
 (the forward, sampling, the proposer, vLLM's scheduling); kept are the decode steps of
 exactly ``b`` requests, none joining, each request verifying k drafts (plain: none). A cell
 is the median, over the groups, of a group's median step time of k over plain's.
-These ratios are what ``vllm_specstream.speculation.step_cost`` keeps per CPU class: the adaptive
-policy weighs them against the tokens a step is expected to yield.
+These ratios are what the adaptive policy's row model (``vllm_specstream.speculation.step_cost``)
+starts from before an engine has timed its own steps.
 
 ``--idle`` adds the default adaptive engine with its policy told that nothing pays: every
 step runs the proposer, the stash and the policy's bookkeeping and pricing and drafts

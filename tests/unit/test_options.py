@@ -201,3 +201,83 @@ def test_a_bad_checkpoint_default_names_the_checkpoints_config():
 def test_the_proposers_earlier_path_is_refused_naming_the_alias():
     with pytest.raises(ConfigError, match="was moved: use .*model_executor.proposer.*'specstream'"):
         check_proposer("vllm_specstream.proposer.SpecStreamProposer")
+
+
+def test_user_schedule_is_read_by_vllms_validator():
+    from vllm_specstream.patches.vllm_schedule import schedule_lookup
+
+    lookup = schedule_lookup([(1, 2, 4), (5, 8, 2), (9, 9, 1)], 12, 3)
+    # 3, 4 carry (1, 2)'s length (capped at k = 3); past the last range its length holds.
+    assert lookup[1:] == [3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1]
+    for bad, words in [([(2, 4, 1)], "start at 1"), ([(1, 4, 1), (3, 8, 1)], "non-overlapping")]:
+        with pytest.raises(ValueError, match=f"num_speculative_tokens_per_batch_size=.*{words}"):
+            schedule_lookup(bad, 8, 4)
+
+
+def test_speculative_config_adaptive_switch():
+    assert "num_speculative_tokens_per_batch_size" not in speculative_config(3)
+    fixed = speculative_config(3, adaptive=False)["num_speculative_tokens_per_batch_size"]
+    assert fixed == [(1, 1 << 16, 3)]
+    mine = [(1, 1, 2), (2, 64, 0)]
+    cfg = speculative_config(3, adaptive=False, num_speculative_tokens_per_batch_size=mine)
+    assert cfg["num_speculative_tokens_per_batch_size"] == mine
+
+
+def _vllm_config(k=4, schedule=None, model=PROPOSER, method="custom_class", **fields):
+    """An engine config whose ``additional_config["specstream"]`` holds ``fields``."""
+    spec = SimpleNamespace(
+        num_speculative_tokens=k,
+        num_speculative_tokens_per_batch_size=schedule,
+        model=model,
+        method=method,
+    )
+    return SimpleNamespace(
+        speculative_config=spec,
+        scheduler_config=SimpleNamespace(max_num_seqs=64),
+        additional_config={"specstream": fields},
+    )
+
+
+def test_options_are_read_once_and_name_the_bad_field():
+    config = _vllm_config(3, [(1, 4, 2)], stream_dtype="BFloat16", draft_min_prob=0.25)
+    options = read_options(config, {})
+    assert options.stream_dtype == "bfloat16" and options.draft_min_prob == 0.25
+    assert options.schedule == ((1, 4, 2),) and options.num_speculative_tokens == 3
+    assert read_options(None, {}).draft_min_prob == 0.0  # speculation off: rule off
+    assert read_options(_vllm_config(3), {}).draft_min_prob == 0.0  # unset: rule off
+    for name, bad in [("stream_dtype", "fp8"), ("draft_min_prob", 1), ("draft_min_prob", "high")]:
+        with pytest.raises(ConfigError, match=rf"\['specstream'\]\['{name}'\]={bad!r}"):
+            read_options(_vllm_config(**{name: bad}), {})
+
+
+def test_one_engine_config_is_read_once():
+    """The model and the proposer of one worker share one read of the engine config;
+    another engine config reads its own fields."""
+    config = _vllm_config(3, draft_min_prob=0.25)
+    first = read_options(config, {})
+    assert first.draft_min_prob == 0.25 and read_options(config, {}) is first
+    other = read_options(_vllm_config(3, draft_min_prob=0.5), {})
+    assert other is not first and other.draft_min_prob == 0.5
+
+
+def test_other_speculative_methods_leave_the_streams_off():
+    # vLLM's own methods (and other proposer classes) on a specstream checkpoint: the model
+    # runs as in plain decoding, no stream pass, no error.
+    for method, model in [
+        ("ngram", None),
+        ("suffix", None),
+        ("medusa", "/heads"),
+        ("custom_class", "my.Proposer"),
+    ]:
+        options = read_options(_vllm_config(4, [(1, 4, 2)], model, method), {})
+        assert options.num_speculative_tokens == 0 and options.schedule is None, method
+        assert options.placement is None
+    assert read_options(_vllm_config(4), {}).num_speculative_tokens == 4
+
+
+def test_placement_is_the_engine_field():
+    assert read_options(_vllm_config(4), {}).placement is None  # the model's default
+    for placement in ("window", "accepted"):
+        assert read_options(_vllm_config(4, placement=placement), {}).placement == placement
+    with pytest.raises(ConfigError, match=r"\['placement'\]='middle'"):
+        read_options(_vllm_config(4, placement="middle"), {})

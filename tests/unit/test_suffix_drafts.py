@@ -8,8 +8,8 @@ import pytest
 from test_proposer import _Target as ProposerTarget
 
 from vllm_specstream.checkpoint.config import ConfigError, suffix_min_score_from
+from vllm_specstream.speculation.choices import SuffixStep
 from vllm_specstream.speculation.options import read_options
-from vllm_specstream.speculation.policy import SuffixStep
 from vllm_specstream.speculation.suffix_drafts import (
     SuffixDraft,
     SuffixDrafts,
@@ -269,7 +269,7 @@ def test_scoring_suffix_drafts_replace_the_streams_and_skip_their_pass(monkeypat
     # The streams' acceptance estimate counts "b"'s drafts only, and the step is not timed
     # as a stream choice.
     assert p.policy.stats.pending.tolist() == [1, 1, 1]
-    assert p.step_timer.last_k is None
+    assert p.step_timer.last_choice is None
 
 
 def test_every_request_copying_runs_no_window_streams_next(monkeypatch):
@@ -277,12 +277,12 @@ def test_every_request_copying_runs_no_window_streams_next(monkeypatch):
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     assert p.target.streams_for == [] and p.target.window_streams == 0
     # The next step verifies suffix drafts only and runs no streams: timed on its own.
-    assert p.step_timer.last_k == SuffixStep(3)
+    assert p.step_timer.last_choice == SuffixStep(3)
     # The next step's verified suffix drafts are left out of the streams' estimate.
-    before = p.policy.stats.proposed.copy()
+    before = p.policy.stats.tried.copy()
     p.target.forward_step += 1
     p.propose([[9, 1], [9, 2]], np.array([15, 15]), _tokens())
-    assert (p.policy.stats.proposed == before).all()
+    assert (p.policy.stats.tried == before).all()
 
 
 def test_on_weighs_tokens_per_step_cost_against_the_streams(monkeypatch):
@@ -295,6 +295,7 @@ def test_on_weighs_tokens_per_step_cost_against_the_streams(monkeypatch):
         return 1.6  # the streams: 1.6 tokens per plain step's cost
 
     monkeypatch.setattr(p, "streams_yield", streams_yield)
+    monkeypatch.setattr(p, "draft_length", lambda batch_size: 3)
     # 1 + 0.5 tokens at a plain step's cost: less than the streams' 1.6
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]
     assert asked == [2]
@@ -331,16 +332,16 @@ def test_where_the_streams_do_not_pay_suffix_drafts_are_weighed_against_a_plain_
     # Up to num_speculative_tokens (3), no stream pass, timed as a suffix step.
     assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     assert p.target.streams_for == [] and p.target.window_streams == 0
-    assert p.step_timer.last_k == SuffixStep(3)
+    assert p.step_timer.last_choice == SuffixStep(3)
     for _ in range(8):  # suffix-only steps timed, plain ones not yet: still unpriced
-        p.policy.cost.record(2, SuffixStep(3), 0.013)
+        p.policy.costs.record(2, SuffixStep(3), 0.013)
     cache.next_draft = ([7, 8, 9, 10], 0.4)
     p.target = _Target()
     assert p.propose(SAMPLED, np.array([15, 15]), _tokens()) == [[], []]
     cache.next_draft = ([7, 8, 9, 10], 0.2)
     for _ in range(8):  # plain steps of 10 ms, suffix-only steps of 13 ms at batch 2
-        p.policy.cost.record(2, 0, 0.010)
-        p.policy.cost.record(2, SuffixStep(3), 0.013)
+        p.policy.costs.record(2, 0, 0.010)
+        p.policy.costs.record(2, SuffixStep(3), 0.013)
     # 1.2 tokens at 1.3 plain steps: less than a plain step's one token at its cost
     p.target = _Target()
     assert p.propose(SAMPLED, np.array([16, 16]), _tokens()) == [[], []]
@@ -370,12 +371,13 @@ def test_on_prices_a_suffix_step_at_its_timed_cost(monkeypatch):
     cache = FakeCache(draft=([7, 8, 9], 0.8))
     p = _proposer(monkeypatch, cache, min_score="on")
     monkeypatch.setattr(p, "streams_yield", lambda batch_size, k: 1.6)
+    monkeypatch.setattr(p, "draft_length", lambda batch_size: 3)
     assert p.suffix_step_cost(2) == 1.0
     # 1.8 tokens at a plain step's cost beat the streams' 1.6: copied
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     for _ in range(8):  # plain steps of 10 ms, suffix-only steps of 13 ms at batch 2
-        p.policy.cost.record(2, 0, 0.010)
-        p.policy.cost.record(2, SuffixStep(3), 0.013)
+        p.policy.costs.record(2, 0, 0.010)
+        p.policy.costs.record(2, SuffixStep(3), 0.013)
     assert p.suffix_step_cost(2) == pytest.approx(1.3)
     # 1.8 tokens at 1.3 plain steps no longer do (1.6 x 1.3 - 1 = 1.08 > 0.8): the streams draft
     p.target = _Target()

@@ -21,23 +21,17 @@ from vllm_specstream.checkpoint.config import ConfigError
 from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
 from vllm_specstream.model_executor.trees.step import WORKER_TREES, tree_problem
-from vllm_specstream.speculation.draft_watch import NoDraftWatch
-from vllm_specstream.speculation.options import field_hint, read_options
-from vllm_specstream.speculation.policy import (
-    AcceptanceStats,
-    AnchoredChain,
+from vllm_specstream.speculation.choices import (
     Choice,
-    DraftPolicy,
-    MeasuredCost,
-    StepTimer,
     SuffixStep,
     TreeChoice,
-    WindowEntry,
-    lookup_length,
     rows_of,
     tree_choices,
 )
-from vllm_specstream.speculation.step_cost import table_for
+from vllm_specstream.speculation.draft_watch import NoDraftWatch
+from vllm_specstream.speculation.options import field_hint, read_options
+from vllm_specstream.speculation.policy import DraftPolicy, lookup_length
+from vllm_specstream.speculation.step_cost import StepCosts, StepTimer
 from vllm_specstream.speculation.suffix_drafts import (
     SCHEDULED_MIN_SCORE,
     SuffixDrafts,
@@ -162,11 +156,12 @@ class SpecStreamProposer:
     """Speculative streaming drafts for vLLM's ``custom_class`` speculative method.
 
     Where the model runs the streams (the placement) is the engine's field ``placement``
-    (:mod:`vllm_specstream.speculation.options`; unset: the faster on this engine). The draft length per
-    step is the adaptive policy's (:mod:`vllm_specstream.speculation.policy`: step cost on this CPU class
-    against the acceptance seen so far), or the user's
-    ``num_speculative_tokens_per_batch_size``; with field ``draft_min_prob`` the model also cuts each draft where the streams'
-    confidence runs out (-1 in its draft table).
+    (:mod:`vllm_specstream.speculation.options`; unset: the model's default). The draft
+    length per step is the adaptive policy's (:mod:`vllm_specstream.speculation.policy`: the
+    steps' cost as this engine times them against the acceptance seen so far), or the
+    user's ``num_speculative_tokens_per_batch_size``; with field ``draft_min_prob`` the
+    model also cuts each draft where the streams' confidence runs out (-1 in its draft
+    table).
     """
 
     def __init__(self, vllm_config):
@@ -190,7 +185,8 @@ class SpecStreamProposer:
             self.lookup = schedule_lookup(list(user), max(int(max_seqs or 0), 1), self.k)
             logger.info("specstream drafts per request by batch size (first, last, k): %s", user)
         else:
-            self.policy = DraftPolicy(self.k, None, AcceptanceStats(self.k))
+            # Ranks under tensor parallelism must choose alike: their clocks differ.
+            self.policy = DraftPolicy(self.k, StepCosts(measure=self.tp_size == 1))
             self.step_timer = StepTimer()
         self.target = None
         #: Stashes refused as not this step's (each one: a step without drafts).
@@ -201,8 +197,6 @@ class SpecStreamProposer:
         self.tree = None
         #: Why requests drafted chains in a tree engine, each said once.
         self._chain_reasons: set[str] = set()
-        #: Whether the first anchored chain (window engine) was said.
-        self._said_anchored = False
         #: Batch rows that got a tree in this call (the chain estimate leaves them out).
         self._tree_rows: set[int] = set()
         #: The tree those rows got (its estimate takes their accepted paths next call).
@@ -263,47 +257,28 @@ class SpecStreamProposer:
             prunes = getattr(target_model, "prune_threshold", 0.0) > 0
             self.policy = DraftPolicy(
                 chain,
-                None,
-                AcceptanceStats(chain),
+                self.policy.costs,
                 template=self.tree,
                 trees=tree_choices(self.tree.num_nodes, chain, prunes),
             )
-        if self.policy is not None and self.policy.cost is None:
-            table = table_for(placement)
-            anchored = None
-            if placement == "window":
-                # Each chain also with its streams at the anchors after the step.
-                anchored = table_for("accepted")
-                self.policy.anchored = tuple(AnchoredChain(k) for k in range(1, self.k + 1))
-            self.policy.cost = MeasuredCost(
-                table,
-                anchored_table=anchored,
-                direct=frozenset(self.policy.trees),
-                measure=self.tp_size == 1,
-            )
+        if self.policy is not None:
             logger.info(
-                "specstream drafts up to %d per request, as many as pay on this CPU (placement "
-                "%s, step cost table: %s%s; set num_speculative_tokens_per_batch_size to fix "
-                "the schedule)",
+                "specstream drafts up to %d per request, as many as pay in this engine's "
+                "timed steps (placement %s; num_speculative_tokens_per_batch_size fixes the "
+                "schedule)",
                 self.k,
                 placement,
-                table.cpu_class,
-                ""
-                if self.tp_size == 1
-                else "; not corrected by timed steps under tensor parallelism: every rank "
-                "must choose alike",
             )
 
     def window_streams_at(self, batch_size: int) -> int:
         """Window streams for a forward of ``batch_size`` requests, more than the last call
         chose them for (requests joined): none where the user's schedule drafts nothing at
-        that size or the policy would not draft from the window there even inside a run
-        (nothing pays, or drafts from the anchors); else those chosen."""
+        that size or the policy would not draft there; else those chosen."""
         if self.lookup is not None:
             k = lookup_length(self.lookup, batch_size)
         else:
-            k = self.policy.best_length(batch_size, steady=True)
-        if k == 0 or isinstance(k, AnchoredChain):
+            k = self.policy.best(batch_size)
+        if k == 0:
             return 0
         return self.target.window_streams
 
@@ -330,28 +305,19 @@ class SpecStreamProposer:
             self._filed_tree = None
             self.policy.stats.record_verified(chain_sampled)
             self.step_timer.record(
-                self.policy.cost, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
+                self.policy.costs, sampled_token_ids, num_tokens_no_spec, token_ids_cpu
             )
         # This step's drafts come from the streams the last forward ran at its window, or
         # (it kept its MSA input instead) from streams run now at the anchors.
         from_anchors = stash is not None and stash.msa_input is not None
         window_ran = self.target.window_streams
         window = self.target.placement == "window" and self.tree is None
-        if self.policy is not None:
-            self.policy.window_idle = window and from_anchors
         k = self.draft_length(len(sampled_token_ids))
-        if isinstance(k, AnchoredChain) and not self._said_anchored:
-            self._said_anchored = True
-            logger.info(
-                "specstream runs the streams at the requests' anchors at batch %d: "
-                "cheaper there than at every window position",
-                len(sampled_token_ids),
-            )
         self.calls += 1
         if self.policy is not None and self.calls % SUMMARY_EVERY == 0:
             logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
-        # The next forward's window streams (if placed there; none for anchored drafts).
-        streams = 0 if isinstance(k, AnchoredChain) else rows_of(k)
+        # The next forward's window streams (if placed there).
+        streams = rows_of(k)
         self._set_target(
             window_streams=streams if self.tree is None else min(streams, self.tree.num_streams),
             window_streams_batch=len(sampled_token_ids),
@@ -384,17 +350,15 @@ class SpecStreamProposer:
                 [[] if r in other else d for r, d in enumerate(drafts)] if other else drafts
             )
             # A step's time is filed under a tree only if it verified trees, under a chain
-            # only if its drafts came from where that choice runs its streams, as many, and
-            # under a window entry if a window chain's drafts came from the anchors.
+            # only if its drafts came from where the placement runs its streams, as many
+            # (a window engine's first drafting step after an idle one drafts from the
+            # anchors: not timed).
             if isinstance(k, TreeChoice) and not trees:
                 k = min(k.nodes, self.tree.num_streams)
             timed_as = k
-            if not isinstance(k, TreeChoice) and k != 0:
-                anchored = isinstance(k, AnchoredChain) or self.target.placement != "window"
-                if window and not anchored and from_anchors:
-                    timed_as = WindowEntry(k)
-                elif from_anchors != anchored or (not anchored and window_ran < k):
-                    timed_as = None
+            window_chain = window and not isinstance(k, TreeChoice) and k != 0
+            if window_chain and (from_anchors or window_ran < k):
+                timed_as = None
             if suffix:
                 # A step verifying suffix drafts only, with no stream pass, is timed as such
                 # (its cost prices the next suffix drafts); one mixing sources is not timed.
@@ -402,9 +366,9 @@ class SpecStreamProposer:
                     not d or r in suffix for r, d in enumerate(drafts)
                 )
                 timed_as = SuffixStep(self.k) if copies_only else None
-            self.step_timer.proposed(
-                timed_as if any(drafts) else 0, k if timed_as is None else timed_as
-            )
+            if not any(drafts):  # a plain step, unless streams ran for drafts not made
+                timed_as = 0 if k == 0 else None
+            self.step_timer.proposed(timed_as)
         return drafts
 
     def _set_target(self, **values) -> None:
@@ -435,22 +399,19 @@ class SpecStreamProposer:
 
     def streams_yield(self, batch_size: int, k: Choice) -> float:
         """Tokens per plain step's cost the policy expects of stream drafts ``k``."""
-        return self.policy.expected_speedup(batch_size, k)
+        return self.policy.speedup(batch_size, k)
 
     def suffix_step_cost(self, batch_size: int) -> float:
         """A step verifying suffix drafts only, over a plain step: as timed in this engine
         (verify rows, no stream pass), 1.0 before it has enough such steps."""
-        cost = self.policy.cost if self.policy is not None else None
-        return cost.ratio(batch_size, SuffixStep(self.k)) if isinstance(cost, MeasuredCost) else 1.0
+        if self.policy is None:
+            return 1.0
+        return self.policy.costs.ratio(batch_size, SuffixStep(self.k))
 
     def suffix_step_timed(self, batch_size: int) -> bool:
         """Whether this engine has timed enough suffix-only and plain steps at this batch
         size to price the former."""
-        cost = self.policy.cost if self.policy is not None else None
-        return (
-            isinstance(cost, MeasuredCost)
-            and cost.measured_ratio(batch_size, SuffixStep(self.k)) is not None
-        )
+        return self.policy is not None and self.policy.costs.timed(batch_size, SuffixStep(self.k))
 
     def _suffix_choice(self, k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
         """Rows that draft from the suffix trees this step, with their drafts: those whose

@@ -41,7 +41,6 @@ from vllm_specstream.checkpoint.merged import (
     read_specstream_section,
 )
 from vllm_specstream.logger import init_logger
-from vllm_specstream.machine import cpu_class
 from vllm_specstream.model_executor.forward_batch import (
     ForwardBatch,
     attention_layer_name,
@@ -84,14 +83,13 @@ from vllm_specstream.speculation.options import (
     draft_tree_of,
     read_options,
 )
-from vllm_specstream.speculation.policy import confident_drafts
 from vllm_specstream.speculation.preflight import (
     ADAPTER_STREAMS_NEED_LORA,
     STREAM_LORA_TP_ERROR,
     STREAM_LORA_WITH_LORA,
     check_platform,
 )
-from vllm_specstream.speculation.step_cost import cheaper_placement
+from vllm_specstream.streams.decode_math import confident_drafts
 from vllm_specstream.streams.draft_trees import TreeTemplate, prune_nodes
 
 logger = init_logger(__name__)
@@ -244,18 +242,15 @@ class SpecStreamMixin:
         return threshold
 
     def default_placement(self) -> str:
-        """Where the decoder runs eagerly (the stream rows can ride along the main forward),
-        the placement cheaper at batch 1 on this CPU class (:func:`cheaper_placement`:
-        ``window``, the paper's one-pass design, on every measured class); else ``accepted``
-        (a compiled decoder would need a second pass over more stream rows)."""
-        if not self._eager:
-            return "accepted"
-        cls = cpu_class()  # speculation runs on the CPU backend only (check_platform)
-        placement = cheaper_placement(cls)
+        """``window`` where the decoder runs eagerly (the paper's one-pass design: the stream
+        rows ride along the main forward; the cheaper at batch 1 on every CPU class
+        measured, ``docs/benchmarks.md``), else ``accepted`` (a compiled decoder would need
+        a second pass over more stream rows)."""
+        placement = "window" if self._eager else "accepted"
         logger.info(
-            "specstream stream placement: %s (the cheaper at batch 1 on CPU class %s)",
+            "specstream stream placement: %s (the default for %s decoders)",
             placement,
-            cls,
+            "eager" if self._eager else "compiled",
         )
         return placement
 

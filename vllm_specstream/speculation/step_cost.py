@@ -1,228 +1,234 @@
-"""What a speculative decode step costs against a plain one, per CPU class (measured).
+"""What a speculative step costs against a plain one, as this engine times it.
 
-A step with ``k`` drafts per request verifies ``k + 1`` rows per request and runs the stream
-pass; whether that pays depends on the CPU: on AVX2 the GEMMs' cost grows faster with rows
-than with AVX-512. The adaptive policy (:mod:`vllm_specstream.speculation.policy`) divides the tokens a
-step is expected to yield by these ratios. Tables come from ``benchmarks/step_cost.py``
-(median decode-step time, fp32, the same prompts with and without speculation, in one run).
+A step with ``k`` drafts per request verifies ``k + 1`` rows per request and runs the
+stream pass. The proposer times the engine's steps (:class:`StepTimer`); :class:`StepCosts`
+keeps the median per batch-size bucket and choice, and prices a choice not timed yet with
+a model of the rows it verifies (:class:`RowModel`), fitted to the chains timed so far.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Mapping
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_specstream.machine import cpu_class
-from vllm_specstream.speculation.options import PLACEMENTS
+import numpy as np
+
+from vllm_specstream.speculation.choices import Choice, SuffixStep, TreeChoice, rows_of
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two bucket of a batch size (1, 2-3, 4-7, ...): its lower bound."""
+    return 1 << (max(int(batch_size), 1).bit_length() - 1)
 
 
 @dataclass(frozen=True)
-class StepCostTable:
-    """Median decode-step time with ``k`` drafts per request over a plain step's, measured
-    at a few batch sizes (linear in between and beyond, between measured ``k`` too)."""
+class RowModel:
+    """A step's cost over a plain one: ``1 + stream_pass + row_cost * rows * b / (b +
+    half_batch)`` at batch size ``b``. At batch 1 a step reads every weight whatever its
+    rows, so a draft row costs little; with many requests it costs its arithmetic. The
+    defaults are a middle of what steps cost on AVX2, AVX-512 and AMX CPUs (4 drafts: 1.2-2.0
+    plain steps at batch 1, 2.8-4.0 at batch 16; ``docs/policy.md``)."""
 
-    cpu_class: str
-    """The CPU class measured (:data:`vllm_specstream.machine.CPU_CLASSES`)."""
-    batch_sizes: tuple[int, ...]
-    """Batch sizes measured, ascending."""
-    ratios: Mapping[int, tuple[float, ...]]
-    """Draft length -> cost ratio at each of ``batch_sizes``."""
-    source: str
-    """Where it was measured (machine, checkpoint, command)."""
-    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    """:meth:`ratio` per ``(batch_size, k)`` (the adaptive policy prices every choice at
-    every step)."""
+    stream_pass: float = 0.2
+    row_cost: float = 0.8
+    half_batch: float = 8.0
 
-    def __post_init__(self) -> None:
-        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or not self.batch_sizes:
-            raise ValueError(f"batch_sizes must ascend: {self.batch_sizes}")
-        for k, row in self.ratios.items():
-            if k < 1 or len(row) != len(self.batch_sizes):
-                raise ValueError(f"ratios[{k}] needs one ratio per batch size")
+    def rows_term(self, batch_size: float, rows: int) -> float:
+        return rows * batch_size / (batch_size + self.half_batch)
 
-    def _at_batch(self, row: tuple[float, ...], batch_size: int) -> float:
-        sizes = self.batch_sizes
-        if len(sizes) == 1:
-            return row[0]
-        i = min(max(bisect.bisect_right(sizes, batch_size) - 1, 0), len(sizes) - 2)
-        b0, b1 = sizes[i], sizes[i + 1]
-        r0, r1 = row[i], row[i + 1]
-        t = (max(batch_size, sizes[0]) - b0) / (b1 - b0)
-        # Past the largest size the trend goes on (never below the last ratio).
-        return max(r0 + t * (r1 - r0), row[-1] if batch_size > sizes[-1] else 0.0)
-
-    def ratio(self, batch_size: int, k: int) -> float:
-        """Cost of a step with ``k`` drafts per request at ``batch_size`` over a plain step."""
-        key = (batch_size, k)
-        if key not in self._memo:
-            self._memo[key] = self._ratio(batch_size, k)
-        return self._memo[key]
-
-    def _ratio(self, batch_size: int, k: int) -> float:
-        if k <= 0:
+    def ratio(self, batch_size: float, rows: int) -> float:
+        if rows <= 0:
             return 1.0
-        known = sorted(self.ratios)
-        lo = max((x for x in known if x <= k), default=0)
-        hi = min((x for x in known if x >= k), default=known[-1])
-        r_lo = 1.0 if lo == 0 else self._at_batch(self.ratios[lo], batch_size)
-        r_hi = self._at_batch(self.ratios[hi], batch_size)
-        if hi == lo:
-            return r_hi if k <= hi else r_hi + (k - hi) * self._row_cost(batch_size)
-        return r_lo + (k - lo) / (hi - lo) * (r_hi - r_lo)
+        return 1.0 + self.stream_pass + self.row_cost * self.rows_term(batch_size, rows)
 
-    def _row_cost(self, batch_size: int) -> float:
-        """Cost of one more draft row per request beyond the largest ``k`` measured: the
-        measured ratios' mean slope from the smallest ``k`` to the largest (a single ``k``:
-        its ratio's share per row). At batch 1 a step reads every weight whatever its rows,
-        so extra rows cost far less than a proportional share: top-2 trees of 16 nodes on
-        E2E cost 3.7 plain steps at batch 1 and 6.9 at batch 16 on the AVX2 CPU of the
-        ``accepted`` table (``docs/benchmarks.md``, "Draft trees and pruning"; tokens per step over
-        speedup), this slope says 3.7 and 9.7, a proportional share 8.0 and 14.7."""
-        known = sorted(self.ratios)
-        lo, hi = known[0], known[-1]
-        r_hi = self._at_batch(self.ratios[hi], batch_size)
-        if hi == lo:
-            return r_hi / hi
-        return (r_hi - self._at_batch(self.ratios[lo], batch_size)) / (hi - lo)
+    def fitted(self, points: list[tuple[int, int, float]], weight: float = 1.0) -> RowModel:
+        """This model fitted to measured ``(batch, rows, ratio)`` points: its two costs by
+        least squares, each default counting as ``weight`` points (a ridge toward it), for
+        each of :data:`HALF_BATCHES` where the points span batch sizes; the closest fit."""
+        if not points:
+            return self
+        halves = HALF_BATCHES if len({b for b, _, _ in points}) > 1 else (self.half_batch,)
+        fits = [self._fit(points, weight, h) for h in halves]
+        return min(fits, key=lambda fit: fit[0])[1]
+
+    def _fit(self, points, weight: float, half_batch: float) -> tuple[float, RowModel]:
+        x = np.array([rows * b / (b + half_batch) for b, rows, _ in points])
+        y = np.array([ratio - 1.0 for _, _, ratio in points])
+        a = np.array([[len(x) + weight, x.sum()], [x.sum(), x @ x + weight]])
+        rhs = np.array([y.sum() + weight * self.stream_pass, x @ y + weight * self.row_cost])
+        stream_pass, row_cost = np.maximum(np.linalg.solve(a, rhs), 0.0)
+        residual = float(((y - stream_pass - row_cost * x) ** 2).sum())
+        return residual, RowModel(float(stream_pass), float(row_cost), half_batch)
 
 
-_AVX2_SOURCE = (
-    "AMD EPYC (AVX2 only), 2 cores, nothing else running, fp32, SmolLM2-135M demo SQL "
-    "checkpoint (8 MSA layers), Spider validation prompts: benchmarks/step_cost.py as of "
-    "5dd4864 (one engine per process, a cell's fastest round) --batch-sizes 1,4,16,32 "
-    "--max-tokens 24 --placement {placement}"
-)
-
-_AVX512_BF16_SOURCE = (
-    "AMD EPYC Zen 4 (AVX-512 with AVX512-BF16), 2 cores, nothing else running, fp32, "
-    "SmolLM2-135M demo SQL checkpoint merged (8 MSA layers), Spider validation prompts: "
-    "benchmarks/step_cost.py (interleaved, engines on core 0, 8 timed groups, control "
-    "0.95-1.00) --ks 1,2,3,4 --batch-sizes 1,4,16,32 --max-tokens 24 --placement {placement}"
-)
-
-_AVX512_EMULATED_SOURCE = (
-    "emulated: the Zen 4 CPU of the avx512_bf16 tables with oneDNN limited to AVX-512 without "
-    "bf16 or VNNI (ONEDNN_MAX_CPU_ISA=AVX512_CORE, so the stream pass runs in fp32 as on such "
-    "a CPU; vLLM's fp32 attention kernels are the same on both classes), otherwise as "
-    "measured there --placement {placement}"
-)
-
-_AMX_SOURCE = (
-    "Intel Xeon with AMX-BF16 (family 6 model 167 as the VM reports it), 2 cores, nothing "
-    "else running, fp32, SmolLM2-135M demo SQL checkpoint merged (8 MSA layers), Spider "
-    "validation prompts: benchmarks/step_cost.py (interleaved, engines on both cores, 8 timed "
-    "groups; each ratio divided by the control's at its batch size: the second plain engine, "
-    "built before the speculating ones and after plain, ran 0.91-0.98 of plain) --ks 1,2,3,4 "
-    "--batch-sizes 1,4,16,32 --max-tokens 24 --control --placement {placement}"
-)
-
-#: Batch sizes every table below was measured at.
-_BATCH_SIZES = (1, 4, 16, 32)
-
-#: (CPU class, placement) -> (draft length -> cost ratio per batch size, source), from
-#: ``benchmarks/step_cost.py`` runs (``docs/benchmarks.md``), made non-decreasing in k (more
-#: drafts never cost less):
-#: the AVX2 ones keep each cell's fastest round and raise a cell below the one before it;
-#: the interleaved AVX-512 and AMX ones lower a cell above a longer draft's (a step with more
-#: drafts does all a shorter one does, so its median bounds the shorter one's).
-_MEASURED: dict[tuple[str, str], tuple[dict[int, tuple[float, ...]], str]] = {
-    ("avx2", "accepted"): (
-        {
-            1: (1.58, 1.68, 2.16, 2.51),
-            2: (1.72, 1.88, 2.83, 3.55),
-            3: (1.72, 2.16, 3.47, 4.13),
-            4: (2.01, 2.26, 3.67, 4.50),
-        },
-        _AVX2_SOURCE.format(placement="accepted") + " --rounds 2",
-    ),
-    ("avx2", "window"): (
-        {
-            1: (1.45, 1.73, 2.29, 2.53),
-            2: (1.45, 2.12, 3.64, 4.38),
-            4: (2.06, 4.24, 8.20, 12.16),
-        },
-        _AVX2_SOURCE.format(placement="window") + " --ks 1,2,4 --rounds 1",
-    ),
-    ("avx512_bf16", "accepted"): (
-        {
-            1: (1.20, 1.58, 2.08, 2.36),
-            2: (1.20, 1.81, 2.88, 3.10),
-            3: (1.20, 2.07, 3.34, 3.85),
-            4: (1.20, 2.36, 3.98, 4.51),
-        },
-        _AVX512_BF16_SOURCE.format(placement="accepted"),
-    ),
-    ("avx512_bf16", "window"): (
-        {
-            1: (1.07, 1.50, 2.23, 2.50),
-            2: (1.07, 1.81, 3.31, 3.69),
-            3: (1.16, 2.25, 4.21, 5.04),
-            4: (1.25, 2.78, 5.70, 6.72),
-        },
-        _AVX512_BF16_SOURCE.format(placement="window"),
-    ),
-    ("avx512", "window"): (
-        {
-            1: (1.22, 1.58, 2.20, 2.58),
-            2: (1.22, 2.11, 3.39, 3.91),
-            3: (1.32, 2.51, 4.49, 5.30),
-            4: (1.47, 3.20, 5.68, 6.97),
-        },
-        _AVX512_EMULATED_SOURCE.format(placement="window"),
-    ),
-    ("avx512", "accepted"): (
-        {
-            1: (1.34, 1.76, 2.33, 2.49),
-            2: (1.34, 2.02, 3.24, 3.33),
-            3: (1.34, 2.33, 3.83, 4.02),
-            4: (1.34, 2.56, 4.41, 4.96),
-        },
-        _AVX512_EMULATED_SOURCE.format(placement="accepted"),
-    ),
-    ("amx", "window"): (
-        {
-            1: (1.17, 1.47, 1.81, 2.15),
-            2: (1.25, 1.69, 2.37, 2.89),
-            3: (1.35, 1.99, 2.89, 3.56),
-            4: (1.45, 2.24, 3.51, 4.67),
-        },
-        _AMX_SOURCE.format(placement="window"),
-    ),
-    ("amx", "accepted"): (
-        {
-            1: (1.32, 1.51, 1.78, 2.05),
-            2: (1.34, 1.65, 2.12, 2.49),
-            3: (1.36, 1.82, 2.42, 2.92),
-            4: (1.39, 1.94, 2.76, 3.37),
-        },
-        _AMX_SOURCE.format(placement="accepted"),
-    ),
-}
-
-#: The measured tables per (CPU class, placement).
-TABLES: dict[tuple[str, str], StepCostTable] = {
-    (cls, placement): StepCostTable(cls, _BATCH_SIZES, ratios, source)
-    for (cls, placement), (ratios, source) in _MEASURED.items()
-}
+#: Batch sizes at which a draft row costs half its share, tried where timed steps span
+#: batch sizes (CPUs differ: with AVX2 the rows' arithmetic tells from batch 4 on).
+HALF_BATCHES = (2.0, 4.0, 8.0, 16.0, 32.0)
 
 
-#: Draft lengths the start-up placement choice weighs, at batch 1 (where drafts pay most).
-PLACEMENT_CHOICE_KS = (1, 2, 3, 4)
+@dataclass
+class StepCosts:
+    """Step times per (batch-size bucket, choice); a choice's cost is its median over a
+    plain step's in the same bucket, or the :class:`RowModel` fitted to the timed chains
+    where it has too few steps (an untimed tree: times the overhead the timed trees showed
+    over chains of as many rows; an untimed suffix step: a plain step's cost). Steps whose
+    batch changed (a prefill, a request that finished) are not recorded."""
+
+    prior: RowModel = field(default_factory=RowModel)
+    measure: bool = True
+    """Whether step times are recorded. Not under tensor parallelism: every rank chooses its
+    drafts alone and must choose as the others do, and ranks' clocks differ."""
+    window: int = 32
+    """Step times kept per (bucket, choice): medians follow the recent traffic."""
+    min_samples: int = 4
+    """Step times needed per (bucket, choice) before they count."""
+    times: dict[tuple[int, Choice | SuffixStep], deque] = field(default_factory=dict, init=False)
+    _cache: dict = field(default_factory=dict, init=False, repr=False)
+    """Medians, the fit and ratios since the last recorded step (every choice is priced
+    at every step from the same medians)."""
+
+    def record(self, batch_size: int, choice: Choice | SuffixStep, seconds: float) -> None:
+        if not self.measure:
+            return
+        key = (batch_bucket(batch_size), choice)
+        self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        self._cache.clear()
+
+    def _median(self, bucket: int, choice) -> float | None:
+        key = ("median", bucket, choice)
+        if key not in self._cache:
+            samples = self.times.get((bucket, choice))
+            enough = samples is not None and len(samples) >= self.min_samples
+            self._cache[key] = float(statistics.median(samples)) if enough else None
+        return self._cache[key]
+
+    def measured_ratio(self, batch_size: int, choice) -> float | None:
+        """Median step time of ``choice`` over a plain step's at this batch size's bucket
+        (None before enough of both)."""
+        bucket = batch_bucket(batch_size)
+        plain, t = self._median(bucket, 0), self._median(bucket, choice)
+        return None if plain is None or t is None else t / plain
+
+    def timed(self, batch_size: int, choice) -> bool:
+        return self.measured_ratio(batch_size, choice) is not None
+
+    def model(self) -> RowModel:
+        """The prior fitted to every timed chain."""
+        if "model" not in self._cache:
+            points = [
+                (bucket, choice, ratio)
+                for bucket, choice in self.times
+                if isinstance(choice, int)
+                and choice > 0
+                and (ratio := self.measured_ratio(bucket, choice)) is not None
+            ]
+            self._cache["model"] = self.prior.fitted(points)
+        return self._cache["model"]
+
+    def tree_overhead(self) -> float:
+        """Median over the timed trees of their cost over the model's for as many rows."""
+        ratios = [
+            ratio / self.model().ratio(bucket, choice.nodes)
+            for bucket, choice in self.times
+            if isinstance(choice, TreeChoice)
+            and (ratio := self.measured_ratio(bucket, choice)) is not None
+        ]
+        return float(np.median(ratios)) if ratios else 1.0
+
+    def ratio(self, batch_size: int, choice) -> float:
+        """Cost of a step of ``choice`` at ``batch_size`` over a plain step."""
+        if choice == 0:
+            return 1.0
+        key = ("ratio", batch_size, choice)
+        if key not in self._cache:
+            ratio = self.measured_ratio(batch_size, choice)
+            if ratio is None and isinstance(choice, SuffixStep):
+                ratio = 1.0  # no stream pass; its verify rows count once it is timed
+            elif ratio is None:
+                ratio = self.model().ratio(batch_size, rows_of(choice))
+                if isinstance(choice, TreeChoice):
+                    ratio *= self.tree_overhead()
+                ratio = min(ratio, self._first_look(batch_size, choice))
+            self._cache[key] = ratio
+        return self._cache[key]
+
+    def _first_look(self, batch_size: int, choice) -> float:
+        """In a bucket where no chain is timed yet, what ``choice`` was timed at in the
+        nearest smaller bucket: a step costs at least that (a step's cost over a plain one
+        grows with the batch), and a model fitted on smaller batches alone can price a new
+        bucket far too high to ever be tried there."""
+        bucket = batch_bucket(batch_size)
+        if any(b == bucket and isinstance(c, int) and self.timed(b, c) for b, c in self.times):
+            return float("inf")
+        below = [b for b, c in self.times if c == choice and b < bucket and self.timed(b, c)]
+        return self.measured_ratio(max(below), choice) if below else float("inf")
+
+    def needs_plain_steps(self, batch_size: int) -> bool:
+        """Whether this bucket has drafting steps to compare but too few plain ones."""
+        bucket = batch_bucket(batch_size)
+        drafted = any(b == bucket and c != 0 for b, c in self.times)
+        return drafted and self._median(bucket, 0) is None
+
+    def summary(self) -> str:
+        m = self.model()
+        return f"stream_pass {m.stream_pass:.2f}, row_cost {m.row_cost:.2f}"
 
 
-def cheaper_placement(cls: str | None = None) -> str:
-    """The placement an eager engine takes on CPU class ``cls`` (default: this CPU's): the
-    one whose batch-1 step costs less summed over :data:`PLACEMENT_CHOICE_KS` in the class's
-    tables. ``window`` on every measured class (it also prices chains with their streams at
-    the anchors, so the policy can take the cheaper of the two step by step)."""
-    return min(
-        PLACEMENTS,
-        key=lambda p: sum(table_for(p, cls).ratio(1, k) for k in PLACEMENT_CHOICE_KS),
-    )
+@dataclass
+class StepTimer:
+    """Wall time of the engine's decode steps, seen from the proposer's calls.
+
+    The time from one call to the next is one engine step: the forward that verified the
+    drafts handed out at the first call, sampling and scheduling. :meth:`record` files it
+    under that choice when it was a decode step of the same batch: the same requests in the
+    same rows (each row's last token is still there), each grown by 1 to ``k + 1`` tokens.
+    """
+
+    clock: Callable[[], float] = time.perf_counter
+    last_time: float | None = field(default=None, init=False)
+    last_choice: Choice | SuffixStep | None = field(default=None, init=False)
+    """The choice of the step under way (None: not one clean choice)."""
+    last_tokens: list[int] | None = field(default=None, init=False)
+    last_ids: list[int] | None = field(default=None, init=False)
+
+    # Lists and few numpy calls: this runs at every step, right after a forward has
+    # evicted Python's and numpy's code from the caches.
+    def record(
+        self, costs: StepCosts, sampled_token_ids, num_tokens_no_spec, token_ids_cpu=None
+    ) -> None:
+        """Called at the start of each proposer call (vLLM's ``propose`` arguments)."""
+        now = self.clock()
+        n = len(sampled_token_ids)
+        tokens = np.asarray(num_tokens_no_spec[:n]).tolist()
+        same = self._grew_alike(tokens)
+        if token_ids_cpu is None:
+            ids = None
+        elif same:
+            # each row's last token then, read again now, and its last token now: one gather
+            both = _tokens_before(token_ids_cpu, [*self.last_tokens, *tokens], n)
+            same, ids = both[:n] == self.last_ids, both[n:]
+        else:
+            ids = _tokens_before(token_ids_cpu, tokens, n)
+        if same:
+            costs.record(n, self.last_choice, now - self.last_time)
+        self.last_time, self.last_tokens, self.last_ids = now, tokens, ids
+
+    def _grew_alike(self, tokens: list[int]) -> bool:
+        last = self.last_tokens
+        if self.last_time is None or self.last_choice is None or not tokens or last is None:
+            return False
+        most = rows_of(self.last_choice) + 1
+        return len(last) == len(tokens) and all(1 <= t - s <= most for t, s in zip(tokens, last))
+
+    def proposed(self, choice: Choice | SuffixStep | None) -> None:
+        """The call's step is timed as ``choice`` (None: not one clean choice)."""
+        self.last_choice = choice
 
 
-def table_for(placement: str, cls: str | None = None) -> StepCostTable:
-    """The table for ``placement`` on CPU class ``cls`` (default: this CPU's); every class
-    of :data:`vllm_specstream.machine.CPU_CLASSES` has one per placement."""
-    return TABLES[cls or cpu_class(), placement]
+def _tokens_before(token_ids_cpu, positions: list[int], n: int) -> list[int]:
+    """The token before position ``positions[i]`` of batch row ``i mod n``, for each ``i``."""
+    rows = [i % n for i in range(len(positions))]
+    return np.asarray(token_ids_cpu[rows, [max(p - 1, 0) for p in positions]]).tolist()

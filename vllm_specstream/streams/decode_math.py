@@ -157,3 +157,10 @@ def tree_accept(tree: DraftTree, target_argmax: list[int]) -> list[int]:
         if not nxt:
             return path
         path.append(nxt[0])
+
+
+def confident_drafts(tokens: torch.Tensor, top_prob: torch.Tensor, min_prob: float) -> torch.Tensor:
+    """``tokens`` (``[N, G]`` stream top-1 tokens per anchor) with -1 from the first stream
+    whose cumulative top-1 probability (``top_prob``, ``[N, G]``) is below ``min_prob``."""
+    keep = torch.cumprod(top_prob, dim=-1) >= min_prob
+    return torch.where(keep, tokens, torch.full_like(tokens, -1))

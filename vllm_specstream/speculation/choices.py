@@ -1,0 +1,66 @@
+"""What a step can draft per request: nothing (0), a chain of ``k`` drafts, or a draft tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """The first ``nodes`` nodes of the engine's draft tree (a prefix of it is a tree),
+    pruned by the early-exit head in the verification forward or not."""
+
+    nodes: int
+    prune: bool = False
+
+    def __str__(self) -> str:
+        return f"tree{self.nodes}" + ("-pruned" if self.prune else "")
+
+
+@dataclass(frozen=True)
+class SuffixStep:
+    """A step whose requests all verify suffix-tree drafts of up to ``k`` tokens and whose
+    forward runs no streams (:mod:`vllm_specstream.speculation.suffix_drafts`). Not a
+    choice but a cost key: such steps are timed on their own, so that a suffix draft is
+    priced at what its step costs."""
+
+    k: int
+
+    def __str__(self) -> str:
+        return f"suffix{self.k}"
+
+
+#: A step's drafts per request: 0 (none), a chain of that many, or a tree.
+Choice = int | TreeChoice
+
+
+def rows_of(choice: Choice | SuffixStep) -> int:
+    """Draft rows per request a step of ``choice`` verifies."""
+    if isinstance(choice, TreeChoice):
+        return choice.nodes
+    if isinstance(choice, SuffixStep):
+        return choice.k
+    return int(choice)
+
+
+def choice_label(choice: Choice | SuffixStep) -> str:
+    """A choice as logs and benchmarks name it: ``k2`` for a chain, else its ``str``."""
+    return str(choice) if isinstance(choice, (TreeChoice, SuffixStep)) else f"k{choice}"
+
+
+def tree_widths(num_nodes: int, chain: int) -> list[int]:
+    """Tree sizes weighed in an engine of ``num_nodes`` tree nodes and chains of ``chain``:
+    ``chain + 2``, multiples of ``chain`` below ``num_nodes``, and ``num_nodes`` (6, 8, 12,
+    16 for chains of 4 and 16 nodes: the paper's Figure 5 sizes)."""
+    sizes = {num_nodes}
+    sizes.update(m for m in (chain + 2, *range(2 * chain, num_nodes, chain)) if m < num_nodes)
+    return sorted(m for m in sizes if m > chain)
+
+
+def tree_choices(num_nodes: int, chain: int, prune: bool) -> tuple[TreeChoice, ...]:
+    """The trees of an engine: each width of :func:`tree_widths`, also pruned if ``prune``."""
+    return tuple(
+        TreeChoice(m, p)
+        for m in tree_widths(num_nodes, chain)
+        for p in ((False, True) if prune else (False,))
+    )
