@@ -13,6 +13,7 @@ from vllm_specstream.speculation.acceptance import (
     tokens_per_step,
 )
 from vllm_specstream.speculation.choices import (
+    AnchoredChain,
     TreeChoice,
     rows_of,
     tree_choices,
@@ -228,6 +229,31 @@ def test_a_tree_is_drafted_where_its_paths_pay_more_than_the_chains():
     policy = DraftPolicy(4, template=template, trees=trees)
     _, chosen = serve(policy, 600, 1, accept, AMX_LIKE, rng, tree_kept=1)
     assert sum(isinstance(c, TreeChoice) for c in chosen[-100:]) < 10  # timings only
+
+
+def test_a_window_engine_drafts_from_the_anchors_where_window_streams_are_dear():
+    # Window streams: k + 1 stream rows per request and stream, cheap at batch 1, dear from
+    # a few requests on; anchored: one more pass over the top layers at the anchors.
+    window, anchored = cpu(0.1, 0.6, 8.0), cpu(0.5, 0.15, 8.0)
+
+    def cost(batch, rows, kind=int):
+        return (anchored if kind is AnchoredChain else window)(batch, rows)
+
+    rng = np.random.default_rng(5)
+    policy = DraftPolicy(4, anchored=True)
+    accept = (0.85, 0.85, 0.8, 0.8)
+    for batch, want in ((1, int), (8, AnchoredChain)):
+        chosen = []
+        for _ in range(400):
+            choice = policy.draft_length(batch)
+            rows = rows_of(choice)
+            policy.stats.record_proposed([[1] * rows] * batch)
+            kept = [next((j for j in range(rows) if rng.random() > accept[j]), rows)] * batch
+            policy.stats.record_verified([[0] * (n + 1) for n in kept])
+            policy.costs.record(batch, choice, PLAIN_S * cost(batch, rows, type(choice)))
+            chosen.append(choice)
+        settled = max(set(chosen[-100:]), key=chosen[-100:].count)
+        assert type(settled) is want and settled != 0, (batch, chosen[-100:])
 
 
 def test_step_timer_files_only_decode_steps_of_one_batch():

@@ -11,7 +11,7 @@ from test_options import _vllm_config
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.proposer import SpecStreamProposer, drafts_at
 from vllm_specstream.model_executor.stash import StreamStash
-from vllm_specstream.speculation.choices import TreeChoice
+from vllm_specstream.speculation.choices import AnchoredChain, TreeChoice
 from vllm_specstream.speculation.policy import lookup_length
 from vllm_specstream.streams.decode_math import confident_drafts
 
@@ -120,21 +120,28 @@ def test_window_engine_drafts_right_after_a_step_without_streams():
 def test_steps_are_timed_under_a_chain_only_when_their_drafts_came_as_it_makes_them():
     # Window placement: a step's drafts come from the streams the last forward ran at its
     # window, or, where it ran none, from streams run at the anchors. A step is timed as a
-    # chain of k only when its drafts came from k window streams.
+    # chain of k only when its drafts came from k window streams, as an anchored chain only
+    # when they came from the anchors (the step verifying them runs no window streams).
+    a2 = AnchoredChain(2)
     proposer = SpecStreamProposer(_vllm_config(4))
     target = _WindowTarget(1, 4)
     proposer.load_model(target)
+    assert a2 in proposer.policy.choices()
     timed, lengths, windows = [], [], []
-    for k in [2, 4, 4, 0, 3, 2]:
+    for k in [2, 4, 4, 0, 3, 2, a2, a2, 2, 2]:
         # this step's forward ran the streams the last call asked for (4 at first)
         target.stash = _WindowTarget(1, target.window_streams).stash
         proposer.draft_length = lambda batch_size, k=k: k
         lengths.append(len(proposer.propose([[1]], np.full(1, 7), None)[0]))
         timed.append(proposer.step_timer.last_choice)
         windows.append(target.window_streams)
-    assert lengths == [2, 2, 4, 0, 3, 2]
-    assert windows == [2, 4, 4, 0, 3, 2]
-    assert timed == [2, None, 4, 0, None, 2]
+    assert lengths == [2, 2, 4, 0, 3, 2, 2, 2, 2, 2]
+    assert windows == [2, 4, 4, 0, 3, 2, 0, 0, 2, 2]
+    assert timed == [2, None, 4, 0, None, 2, None, a2, None, 2]
+    # An accepted-placement engine drafts every chain from the anchors: no anchored twins.
+    accepted = SpecStreamProposer(_vllm_config(4))
+    accepted.load_model(_Target(1))
+    assert not any(isinstance(c, AnchoredChain) for c in accepted.policy.choices())
 
 
 def test_confident_drafts_cut_at_the_cumulative_probability():

@@ -22,6 +22,7 @@ from vllm_specstream.logger import init_logger
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
 from vllm_specstream.model_executor.trees.step import WORKER_TREES, tree_problem
 from vllm_specstream.speculation.choices import (
+    AnchoredChain,
     Choice,
     SuffixStep,
     TreeChoice,
@@ -197,6 +198,8 @@ class SpecStreamProposer:
         self.tree = None
         #: Why requests drafted chains in a tree engine, each said once.
         self._chain_reasons: set[str] = set()
+        #: Whether the first anchored chain (window engine) was said.
+        self._said_anchored = False
         #: Batch rows that got a tree in this call (the chain estimate leaves them out).
         self._tree_rows: set[int] = set()
         #: The tree those rows got (its estimate takes their accepted paths next call).
@@ -244,12 +247,14 @@ class SpecStreamProposer:
             )
         target_model.set_placement(self.placement or target_model.default_placement())
         # What the model runs, not what was asked: draft trees run `accepted` whatever the
-        # option says, and their chains are priced with that placement's table.
+        # option says.
         placement = target_model.placement
         self.target = target_model
         self.tree = getattr(target_model, "tree", None)
         if placement == "window" and self.tree is None:
             target_model.window_streams_at = self.window_streams_at
+            if self.policy is not None:  # each chain also with its streams at the anchors
+                self.policy.anchored = True
         if self.tree is not None and self.policy is not None:
             # Chains of up to num_streams drafts, or a tree: a prefix of the template of
             # one of a few widths, pruned or not where the model prunes.
@@ -278,7 +283,7 @@ class SpecStreamProposer:
             k = lookup_length(self.lookup, batch_size)
         else:
             k = self.policy.best(batch_size)
-        if k == 0:
+        if k == 0 or isinstance(k, AnchoredChain):
             return 0
         return self.target.window_streams
 
@@ -316,8 +321,15 @@ class SpecStreamProposer:
         self.calls += 1
         if self.policy is not None and self.calls % SUMMARY_EVERY == 0:
             logger.debug("specstream policy: %s", self.policy.summary(len(sampled_token_ids)))
-        # The next forward's window streams (if placed there).
-        streams = rows_of(k)
+        if isinstance(k, AnchoredChain) and not self._said_anchored:
+            self._said_anchored = True
+            logger.info(
+                "specstream runs the streams at the requests' anchors at batch %d: "
+                "cheaper there than at every window position",
+                len(sampled_token_ids),
+            )
+        # The next forward's window streams (if placed there; none for anchored drafts).
+        streams = 0 if isinstance(k, AnchoredChain) else rows_of(k)
         self._set_target(
             window_streams=streams if self.tree is None else min(streams, self.tree.num_streams),
             window_streams_batch=len(sampled_token_ids),
@@ -350,14 +362,15 @@ class SpecStreamProposer:
                 [[] if r in other else d for r, d in enumerate(drafts)] if other else drafts
             )
             # A step's time is filed under a tree only if it verified trees, under a chain
-            # only if its drafts came from where the placement runs its streams, as many
-            # (a window engine's first drafting step after an idle one drafts from the
+            # only if its drafts came from where that choice runs its streams, as many (a
+            # window chain right after a forward without window streams drafts from the
             # anchors: not timed).
             if isinstance(k, TreeChoice) and not trees:
                 k = min(k.nodes, self.tree.num_streams)
             timed_as = k
-            window_chain = window and not isinstance(k, TreeChoice) and k != 0
-            if window_chain and (from_anchors or window_ran < k):
+            if isinstance(k, AnchoredChain):
+                timed_as = k if from_anchors else None
+            elif window and isinstance(k, int) and k != 0 and (from_anchors or window_ran < k):
                 timed_as = None
             if suffix:
                 # A step verifying suffix drafts only, with no stream pass, is timed as such

@@ -1,7 +1,7 @@
 """Adaptive speculation: what each request drafts this step (``docs/policy.md``).
 
-Each step the policy weighs every choice (a chain of ``1..k_max`` drafts; in a tree engine
-also each draft tree) by its expected speedup, the tokens a step of it yields per request
+Each step the policy weighs every choice (a chain of ``1..k_max`` drafts; in a window engine
+also each chain with its streams at the anchors; in a tree engine also each draft tree) by its expected speedup, the tokens a step of it yields per request
 (:mod:`vllm_specstream.speculation.acceptance`, from what vLLM verified) over what such a
 step costs against a plain one at this batch size (:mod:`vllm_specstream.speculation.step_cost`,
 as this engine timed it). It drafts the best choice where that beats a plain step by
@@ -31,7 +31,13 @@ from vllm_specstream.speculation.acceptance import (
     on_path_probs,
     tokens_per_step,
 )
-from vllm_specstream.speculation.choices import Choice, TreeChoice, choice_label
+from vllm_specstream.speculation.choices import (
+    AnchoredChain,
+    Choice,
+    TreeChoice,
+    choice_label,
+    rows_of,
+)
 from vllm_specstream.speculation.step_cost import StepCosts, batch_bucket
 from vllm_specstream.streams.draft_trees import TreeTemplate
 
@@ -46,6 +52,8 @@ class DraftPolicy:
     template: TreeTemplate | None = None
     """The engine's draft tree (None: chains only); each of ``trees`` is a prefix of it."""
     trees: tuple[TreeChoice, ...] = ()
+    anchored: bool = False
+    """Whether chains are also weighed with their streams at the anchors (a window engine)."""
     margin: float = 0.15
     """A step with drafts must beat a plain one by this much: step costs and acceptance are
     each off by several percent on a small machine (engines differ by +-7% between starts),
@@ -79,7 +87,8 @@ class DraftPolicy:
         self.tree_stats = {t: TreeStats() for t in self.trees}
 
     def choices(self) -> list[Choice]:
-        return [*range(1, self.k_max + 1), *self.trees]
+        chains = range(1, self.k_max + 1)
+        return [*chains, *(AnchoredChain(k) for k in chains if self.anchored), *self.trees]
 
     def speedup(self, batch_size: int, choice: Choice) -> float:
         """Expected tokens per plain step's time of a step of ``choice``."""
@@ -90,8 +99,11 @@ class DraftPolicy:
     def _speedups(self, batch_size: int, rates: np.ndarray) -> dict[Choice, float]:
         """Each choice's expected tokens per request over its cost (a tree's tokens: its own
         steps' paths, before them its template under the chains' acceptance)."""
-        speedups = {k: tokens_per_step(rates, k) / self.costs.ratio(batch_size, k)
-                    for k in range(1, self.k_max + 1)}  # fmt: skip
+        speedups = {
+            c: tokens_per_step(rates, rows_of(c)) / self.costs.ratio(batch_size, c)
+            for c in self.choices()
+            if not isinstance(c, TreeChoice)
+        }
         if self.trees:
             t = self.template
             on_path = np.cumsum(on_path_probs(t.depths, t.ranks, t.parents, rates))

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_specstream.speculation.choices import Choice, SuffixStep, TreeChoice, rows_of
+from vllm_specstream.speculation.choices import (
+    AnchoredChain,
+    Choice,
+    SuffixStep,
+    TreeChoice,
+    rows_of,
+)
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -115,18 +121,21 @@ class StepCosts:
     def timed(self, batch_size: int, choice) -> bool:
         return self.measured_ratio(batch_size, choice) is not None
 
-    def model(self) -> RowModel:
-        """The prior fitted to every timed chain."""
-        if "model" not in self._cache:
+    def model(self, anchored: bool = False) -> RowModel:
+        """The prior fitted to the timed chains of one kind: the placement's, or (a window
+        engine's) those with their streams at the anchors."""
+        key = ("model", anchored)
+        if key not in self._cache:
+            kind = AnchoredChain if anchored else int
             points = [
-                (bucket, choice, ratio)
+                (bucket, rows_of(choice), ratio)
                 for bucket, choice in self.times
-                if isinstance(choice, int)
-                and choice > 0
+                if isinstance(choice, kind)
+                and choice != 0
                 and (ratio := self.measured_ratio(bucket, choice)) is not None
             ]
-            self._cache["model"] = self.prior.fitted(points)
-        return self._cache["model"]
+            self._cache[key] = self.prior.fitted(points)
+        return self._cache[key]
 
     def tree_overhead(self) -> float:
         """Median over the timed trees of their cost over the model's for as many rows."""
@@ -148,7 +157,8 @@ class StepCosts:
             if ratio is None and isinstance(choice, SuffixStep):
                 ratio = 1.0  # no stream pass; its verify rows count once it is timed
             elif ratio is None:
-                ratio = self.model().ratio(batch_size, rows_of(choice))
+                model = self.model(anchored=isinstance(choice, AnchoredChain))
+                ratio = model.ratio(batch_size, rows_of(choice))
                 if isinstance(choice, TreeChoice):
                     ratio *= self.tree_overhead()
                 ratio = min(ratio, self._first_look(batch_size, choice))
@@ -156,12 +166,13 @@ class StepCosts:
         return self._cache[key]
 
     def _first_look(self, batch_size: int, choice) -> float:
-        """In a bucket where no chain is timed yet, what ``choice`` was timed at in the
+        """In a bucket where no chain of its kind is timed yet, what ``choice`` was timed at in the
         nearest smaller bucket: a step costs at least that (a step's cost over a plain one
         grows with the batch), and a model fitted on smaller batches alone can price a new
         bucket far too high to ever be tried there."""
         bucket = batch_bucket(batch_size)
-        if any(b == bucket and isinstance(c, int) and self.timed(b, c) for b, c in self.times):
+        kind = type(choice)
+        if any(b == bucket and type(c) is kind and self.timed(b, c) for b, c in self.times):
             return float("inf")
         below = [b for b, c in self.times if c == choice and b < bucket and self.timed(b, c)]
         return self.measured_ratio(max(below), choice) if below else float("inf")
