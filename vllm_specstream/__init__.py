@@ -23,8 +23,8 @@ def speculative_config(
     """The dict to pass as ``LLM(..., speculative_config=...)`` for a specstream checkpoint.
 
     ``num_speculative_tokens`` may be at most the checkpoint's ``num_streams``.
-    ``adaptive``: draft as many tokens as pay at each step, from the step cost measured on
-    this CPU class and the acceptance seen so far (:mod:`vllm_specstream.speculation.policy`), or by
+    ``adaptive``: draft as many tokens as pay at each step, from the steps' cost as the
+    engine times them and the acceptance seen so far (:mod:`vllm_specstream.speculation.policy`), or by
     ``num_speculative_tokens_per_batch_size`` in ``options`` (vLLM's batch-size schedule);
     False drafts ``num_speculative_tokens`` at every batch size. ``options`` are further
     fields of vLLM's ``SpeculativeConfig``. The plugin's own fields (placement, draft
