@@ -218,6 +218,44 @@ def test_a_run_stopped_by_time_continues_from_its_adapter_alone(tiny_base, tmp_p
     assert state["train_examples"] == 16
 
 
+def test_a_continued_run_killed_before_its_progress_file_keeps_the_earlier_segments(
+    tiny_base, tmp_path, monkeypatch
+):
+    import vllm_specstream.training.train as train_module
+
+    first = train(
+        args_for(tiny_base, tmp_path / "first", steps=6, warmup_steps=2, max_minutes=1e-9),
+        progress=False,
+    )
+    committed = tmp_path / "committed"
+    shutil.copytree(first, committed, ignore=shutil.ignore_patterns("checkpoint"))
+    # Continue it, killed during step 5 (steps 2-4, step 4's evaluation of 2 batches, the
+    # last save at step 4), then run it again as a script would: resumed from its own
+    # checkpoint, no --continue-from.
+    real_loss, calls = train_module.specstream_loss, []
+
+    def dying_loss(*a, **kw):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real_loss(*a, **kw)
+
+    rest = tmp_path / "rest"
+    monkeypatch.setattr(train_module, "specstream_loss", dying_loss)
+    with pytest.raises(KeyboardInterrupt):
+        train(
+            args_for(
+                tiny_base, rest, steps=6, warmup_steps=2, save_every=2, continue_from=str(committed)
+            ),
+            progress=False,
+        )
+    monkeypatch.setattr(train_module, "specstream_loss", real_loss)
+    assert not (rest / "train_state.json").exists()
+    train(args_for(tiny_base, rest, steps=6, warmup_steps=2, save_every=2), progress=False)
+    state = json.loads((rest / "train_state.json").read_text())
+    assert [(x["from"], x["to"]) for x in state["segments"]] == [(0, 1), (1, 4), (4, 6)]
+
+
 def test_cli_train_export_eval(tiny_base, tmp_path):
     spec = venv_script("specstream")
     run = lambda *a: subprocess.run([spec, *a], capture_output=True, text=True, timeout=600)  # noqa: E731

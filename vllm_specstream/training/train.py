@@ -634,12 +634,21 @@ def evaluate(job, encoded: list[dict], args: TrainArgs, autocast) -> dict[str, f
     return {f"eval_{k}": v / max(1, batches) for k, v in sums.items()}
 
 
-def _save_checkpoint(job, optimizer, step: int, out: Path, continued_at: int = 0) -> None:
-    """Trainable weights + optimizer state in ``out/checkpoint`` (written aside, then swapped in)."""
+def _save_checkpoint(
+    job, optimizer, step: int, out: Path, continued_at: int = 0, segments: list[dict] = ()
+) -> None:
+    """Trainable weights + optimizer state in ``out/checkpoint`` (written aside, then swapped
+    in), with the processes that trained it so far (``segments``: a run killed before it
+    wrote its progress file resumes with them)."""
     tmp = out / (CHECKPOINT_DIR + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     job.save(tmp)
-    state = {"step": step, "continued_at": continued_at, "optimizer": optimizer.state_dict()}
+    state = {
+        "step": step,
+        "continued_at": continued_at,
+        "segments": list(segments),
+        "optimizer": optimizer.state_dict(),
+    }
     torch.save(state, tmp / STATE_FILE)
     final = out / CHECKPOINT_DIR
     old = out / (CHECKPOINT_DIR + ".old")
@@ -650,19 +659,20 @@ def _save_checkpoint(job, optimizer, step: int, out: Path, continued_at: int = 0
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _resume(job, optimizer, out: Path) -> tuple[int, int]:
-    """Load ``out/checkpoint`` if present; return the step to continue from and the step at
-    which the run last continued from an adapter (0: never)."""
+def _resume(job, optimizer, out: Path) -> tuple[int, int, list[dict] | None]:
+    """Load ``out/checkpoint`` if present; return the step to continue from, the step at
+    which the run last continued from an adapter (0: never) and the processes that trained
+    it (None: not recorded in the checkpoint)."""
     ckpt = out / CHECKPOINT_DIR
     if not (ckpt / STATE_FILE).is_file():
-        return 0, 0
+        return 0, 0, None
     job.load_trainable(ckpt)
     # Optimizer state follows its parameters' device (a run may resume on another one).
     state = torch.load(ckpt / STATE_FILE, weights_only=False, map_location="cpu")
     optimizer.load_state_dict(state["optimizer"])
     _keep_log(out / LOG_FILE, state["step"])
     logger.info("Resuming from %s at step %d", ckpt, state["step"])
-    return int(state["step"]), int(state.get("continued_at", 0))
+    return int(state["step"]), int(state.get("continued_at", 0)), state.get("segments")
 
 
 def _keep_log(log: Path, step: int) -> None:
@@ -790,10 +800,11 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     job.model.train()
     optimizer = torch.optim.AdamW(job.param_groups(), betas=(0.9, 0.99))
     base_lrs = [g["lr"] for g in optimizer.param_groups]
-    start, continued_at = _resume(job, optimizer, out)
+    start, continued_at, segments = _resume(job, optimizer, out)
     if start == 0 and args.continue_from:
         start = continued_at = _continue_chain(job, args, len(train_set))
-    segments = _earlier_segments(args, start)
+    if segments is None:
+        segments = _earlier_segments(args, start)
     if start >= args.steps:  # e.g. a script run again: never relabel a longer run's state
         logger.info("%s is trained to step %d >= --steps %d: nothing to do", out, start, args.steps)
         return out
@@ -826,6 +837,17 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     started = time.monotonic()
     run_tokens = 0
     step = start
+
+    def this_segment(to: int) -> dict:
+        seconds = round(time.monotonic() - started, 1)
+        return {
+            "from": start,
+            "to": to,
+            "tokens": run_tokens,
+            "seconds": seconds,
+            "trained_on": machine,
+        }
+
     try:
         for step in range(start, args.steps):
             totals, tokens = train_step(
@@ -868,22 +890,15 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
             if out_of_time:
                 break
             if (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                _save_checkpoint(job, optimizer, step + 1, out, continued_at)
+                so_far = [*segments, this_segment(step + 1)]
+                _save_checkpoint(job, optimizer, step + 1, out, continued_at, so_far)
     finally:
         bar.close()
         log.close()
     done = step + 1
     job.save(out)
-    _save_checkpoint(job, optimizer, done, out, continued_at)
-    segments.append(
-        {
-            "from": start,
-            "to": done,
-            "tokens": run_tokens,
-            "seconds": round(time.monotonic() - started, 1),
-            "trained_on": machine,
-        }
-    )
+    segments.append(this_segment(done))
+    _save_checkpoint(job, optimizer, done, out, continued_at, segments)
     reached = _write_progress(out, args, done, continued_at, prompts, segments)
     if done < args.steps:
         logger.info(
