@@ -124,24 +124,30 @@ def test_a_run_starts_from_a_trained_adapter(tiny_base, tmp_path):
         train(other, progress=False)
 
 
-def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeypatch):
-    full = train(args_for(tiny_base, tmp_path / "full"), progress=False)
-    # Kill the run during step 4 (step 3 logged, last save at step 2), then run it again.
+def _killed(monkeypatch, loss_calls: int, args) -> None:
+    """Train ``args``, killed at the ``loss_calls``-th loss computation (steps and
+    evaluation batches alike)."""
     import vllm_specstream.training.train as train_module
 
     real_loss, calls = train_module.specstream_loss, []
 
     def dying_loss(*a, **kw):
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == loss_calls:
             raise KeyboardInterrupt
         return real_loss(*a, **kw)
 
+    with monkeypatch.context() as patched:
+        patched.setattr(train_module, "specstream_loss", dying_loss)
+        with pytest.raises(KeyboardInterrupt):
+            train(args, progress=False)
+
+
+def test_interrupted_run_resumes_to_the_same_result(tiny_base, tmp_path, monkeypatch):
+    full = train(args_for(tiny_base, tmp_path / "full"), progress=False)
+    # Kill the run during step 4 (step 3 logged, last save at step 2), then run it again.
     part = tmp_path / "part"
-    monkeypatch.setattr(train_module, "specstream_loss", dying_loss)
-    with pytest.raises(KeyboardInterrupt):
-        train(args_for(tiny_base, part), progress=False)
-    monkeypatch.setattr(train_module, "specstream_loss", real_loss)
+    _killed(monkeypatch, 4, args_for(tiny_base, part))
     assert not (part / "specstream.safetensors").exists()
     state = torch.load(part / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == 2
@@ -221,8 +227,6 @@ def test_a_run_stopped_by_time_continues_from_its_adapter_alone(tiny_base, tmp_p
 def test_a_continued_run_killed_before_its_progress_file_keeps_the_earlier_segments(
     tiny_base, tmp_path, monkeypatch
 ):
-    import vllm_specstream.training.train as train_module
-
     first = train(
         args_for(tiny_base, tmp_path / "first", steps=6, warmup_steps=2, max_minutes=1e-9),
         progress=False,
@@ -232,26 +236,11 @@ def test_a_continued_run_killed_before_its_progress_file_keeps_the_earlier_segme
     # Continue it, killed during step 5 (steps 2-4, step 4's evaluation of 2 batches, the
     # last save at step 4), then run it again as a script would: resumed from its own
     # checkpoint, no --continue-from.
-    real_loss, calls = train_module.specstream_loss, []
-
-    def dying_loss(*a, **kw):
-        calls.append(1)
-        if len(calls) == 6:
-            raise KeyboardInterrupt
-        return real_loss(*a, **kw)
-
     rest = tmp_path / "rest"
-    monkeypatch.setattr(train_module, "specstream_loss", dying_loss)
-    with pytest.raises(KeyboardInterrupt):
-        train(
-            args_for(
-                tiny_base, rest, steps=6, warmup_steps=2, save_every=2, continue_from=str(committed)
-            ),
-            progress=False,
-        )
-    monkeypatch.setattr(train_module, "specstream_loss", real_loss)
+    chained = args_for(tiny_base, rest, steps=6, warmup_steps=2, continue_from=str(committed))
+    _killed(monkeypatch, 6, chained)
     assert not (rest / "train_state.json").exists()
-    train(args_for(tiny_base, rest, steps=6, warmup_steps=2, save_every=2), progress=False)
+    train(args_for(tiny_base, rest, steps=6, warmup_steps=2), progress=False)
     state = json.loads((rest / "train_state.json").read_text())
     assert [(x["from"], x["to"]) for x in state["segments"]] == [(0, 1), (1, 4), (4, 6)]
 

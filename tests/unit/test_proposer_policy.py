@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from test_options import _vllm_config
+from test_proposer import _Target as ForwardTarget
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.proposer import SpecStreamProposer, drafts_at
@@ -20,36 +21,22 @@ def test_lookup_length_carries_the_last_entry():
     assert [lookup_length([0, 4, 4, 2], b) for b in (1, 3, 99)] == [4, 2, 2]
 
 
-class _Target:
+class _Target(ForwardTarget):
     """Just enough of the model for ``propose``: a stash with one decode row per request."""
 
-    spec_config = None
-    no_stash_reason = None
     window_streams = 4
 
     def __init__(self, num_requests: int):
         n = num_requests
         qsl = torch.arange(n + 1)
         self.forward_step = 1
+        self.no_stash_reason = None
         self.stash = StreamStash(
             step=1,
             batch=ForwardBatch(qsl, torch.full((n,), 6), torch.zeros(n, 1), torch.full((n,), 5)),
             input_ids=None,
             draft_table=torch.tensor([[11, 12, 13, 14]] * n),
         )
-
-    def set_placement(self, placement):
-        self.placement = placement
-
-    def default_placement(self):
-        return "accepted"
-
-    def take_stash(self):
-        stash, self.stash = self.stash, None
-        return stash
-
-    def draft_at(self, stash, rows, indices, num_streams=0):
-        return stash.draft_table
 
 
 def _propose(proposer, num_requests):
