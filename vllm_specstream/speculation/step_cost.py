@@ -161,21 +161,17 @@ class StepCosts:
                 ratio = model.ratio(batch_size, rows_of(choice))
                 if isinstance(choice, TreeChoice):
                     ratio *= self.tree_overhead()
-                ratio = min(ratio, self._first_look(batch_size, choice))
+                ratio = max(ratio, self._at_least(batch_size, choice))
             self._cache[key] = ratio
         return self._cache[key]
 
-    def _first_look(self, batch_size: int, choice) -> float:
-        """In a bucket where no chain of its kind is timed yet, what ``choice`` was timed at in the
-        nearest smaller bucket: a step costs at least that (a step's cost over a plain one
-        grows with the batch), and a model fitted on smaller batches alone can price a new
-        bucket far too high to ever be tried there."""
+    def _at_least(self, batch_size: int, choice) -> float:
+        """What ``choice`` was timed at in the nearest smaller bucket: a step's cost over a
+        plain one grows with the batch (at batch 1 extra rows ride on the weight reads, with
+        more requests they cost their arithmetic), so a larger bucket costs at least that."""
         bucket = batch_bucket(batch_size)
-        kind = type(choice)
-        if any(b == bucket and type(c) is kind and self.timed(b, c) for b, c in self.times):
-            return float("inf")
         below = [b for b, c in self.times if c == choice and b < bucket and self.timed(b, c)]
-        return self.measured_ratio(max(below), choice) if below else float("inf")
+        return self.measured_ratio(max(below), choice) if below else 0.0
 
     def needs_plain_steps(self, batch_size: int) -> bool:
         """Whether this bucket has drafting steps to compare but too few plain ones."""
