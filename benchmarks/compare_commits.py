@@ -27,7 +27,7 @@ from vllm_specstream.machine import describe_machine
 METHODS = ("plain", "plain-control", "specstream", "specstream-ref")
 
 
-def run_ref(cfg: bench.BenchConfig, ref_tree: str) -> dict:
+def run_ref(cfg: bench.BenchConfig, ref_tree: str, on_progress=lambda: None) -> dict:
     """``specstream`` with ``ref_tree``'s package (its logs in ``out_dir/ref``)."""
     shared_env = bench.engine_env
 
@@ -40,7 +40,7 @@ def run_ref(cfg: bench.BenchConfig, ref_tree: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     bench.engine_env = env
     try:
-        return bench.run_method("specstream", replace(cfg, out_dir=str(out)))
+        return bench.run_method("specstream", replace(cfg, out_dir=str(out)), on_progress)
     finally:
         bench.engine_env = shared_env
 
@@ -84,10 +84,9 @@ def main() -> None:
             for method in METHODS if r % 2 == 0 else METHODS[::-1]:
                 bar.set_postfix_str(f"{method}, round {r + 1}/{args.rounds}")
                 if method == "specstream-ref":
-                    results[method] = run_ref(cfg, args.ref_tree)
+                    results[method] = run_ref(cfg, args.ref_tree, bar.update)
                 else:
                     results[method] = bench.run_method(method, cfg, on_progress=bar.update)
-                bar.update(bench.steps_per_method(cfg) if method == "specstream-ref" else 0)
                 (out / f"{method}.round{r + 1}.json").write_text(json.dumps(results[method]))
             per_round.append(bench.summarize({m: results[m] for m in METHODS}, cfg))
     rows = bench.combine_rounds(per_round)

@@ -220,10 +220,10 @@ def test_trees_weighed_are_template_prefixes_of_a_few_widths():
 def test_tree_prior_sums_the_chance_each_node_is_on_the_accepted_path():
     rates = np.array([0.5, 0.25])  # the top-1 accepted with 1/2 at each depth
     t = tree_template(2, 2)  # (0), (0,0), (1), then (0,1), (1,0), (1,1)
-    assert template_tokens(t, 2, rates) == pytest.approx(tokens_per_step(rates, 2))
+    assert template_tokens(t, rates)[1] == pytest.approx(tokens_per_step(rates, 2))
     # (1) catches half of what (0) misses; (0,1) 0.5 x 0.25; (1,0) 0.25 x 0.5; (1,1) 0.25^2.
-    assert template_tokens(t, 3, rates) == pytest.approx(1.75 + 0.25)
-    assert template_tokens(t, 6, rates) == pytest.approx(1.75 + 0.25 + 0.125 + 0.125 + 0.0625)
+    assert template_tokens(t, rates)[2] == pytest.approx(1.75 + 0.25)
+    assert template_tokens(t, rates)[5] == pytest.approx(1.75 + 0.25 + 0.125 + 0.125 + 0.0625)
     tree = TreeStats(decay=1.0, prior_weight=4.0)
     assert tree.expected_tokens(2.5) == pytest.approx(2.5)
     tree.record([3] * 100)  # then the tree rows' paths take over

@@ -43,8 +43,6 @@ class AcceptanceStats:
     accepted: np.ndarray = field(init=False)
     pending: np.ndarray = field(init=False)
     """Drafts at each position handed out last step, awaiting verification."""
-    kept_per_row: float = field(default=0.0, init=False)
-    """Drafts kept per drafting request at the last verification."""
 
     def __post_init__(self) -> None:
         self.tried = np.zeros(self.num_positions)
@@ -66,13 +64,11 @@ class AcceptanceStats:
 
     def record_verified(self, sampled_token_ids: Sequence[Sequence[int]]) -> None:
         if not self.pending[0]:  # counts never increase with the position: none pending
-            self.kept_per_row = 0.0
             return
         self.forget(self.decay)
         kept = np.minimum(
             self._at_least([max(len(s) - 1, 0) for s in sampled_token_ids]), self.pending
         )
-        self.kept_per_row = float(kept.sum() / self.pending[0])
         # Draft j was tried where draft j - 1 was kept.
         self.tried += np.minimum(self.pending, np.concatenate([[np.inf], kept[:-1]]))
         self.accepted += kept
@@ -130,12 +126,12 @@ def on_path_probs(depths, ranks, parents, rates: np.ndarray) -> list[float]:
     return on_path
 
 
-def template_tokens(template, nodes: int, rates: np.ndarray) -> float:
-    """Tokens a step yields per request with the first ``nodes`` nodes of ``template``
-    (bonus token included): greedy acceptance takes one child per node, so the expected
-    path length is the sum of the nodes' :func:`on_path_probs`."""
+def template_tokens(template, rates: np.ndarray) -> np.ndarray:
+    """Tokens a step yields per request with the first ``n`` nodes of ``template``, at
+    index ``n - 1`` (bonus token included): greedy acceptance takes one child per node, so
+    the expected path length is the sum of the nodes' :func:`on_path_probs`."""
     t = template
-    return 1.0 + float(sum(on_path_probs(t.depths, t.ranks, t.parents, rates)[:nodes]))
+    return 1.0 + np.cumsum(on_path_probs(t.depths, t.ranks, t.parents, rates))
 
 
 @dataclass

@@ -28,7 +28,7 @@ import numpy as np
 from vllm_specstream.speculation.acceptance import (
     AcceptanceStats,
     TreeStats,
-    on_path_probs,
+    template_tokens,
     tokens_per_step,
 )
 from vllm_specstream.speculation.choices import (
@@ -105,10 +105,9 @@ class DraftPolicy:
             if not isinstance(c, TreeChoice)
         }
         if self.trees:
-            t = self.template
-            on_path = np.cumsum(on_path_probs(t.depths, t.ranks, t.parents, rates))
+            priors = template_tokens(self.template, rates)
             for tree in self.trees:
-                tokens = self.tree_stats[tree].expected_tokens(1.0 + on_path[tree.nodes - 1])
+                tokens = self.tree_stats[tree].expected_tokens(priors[tree.nodes - 1])
                 speedups[tree] = tokens / self.costs.ratio(batch_size, tree)
         return speedups
 
@@ -116,18 +115,22 @@ class DraftPolicy:
         """The choice of highest expected speedup under ``rates`` (default: the estimate),
         0 unless it beats a plain step by ``margin``."""
         rates = self.stats.accept_rates() if rates is None else rates
-        speedups = self._speedups(batch_size, rates)
+        return self._best_of(self._speedups(batch_size, rates))
+
+    def _best_of(self, speedups: dict[Choice, float]) -> Choice:
         choice = max(speedups, key=speedups.__getitem__)
         return choice if speedups[choice] > 1.0 + self.margin else 0
 
     def draft_length(self, batch_size: int) -> Choice:
         """This step's choice at ``batch_size`` (what the proposer asks each step)."""
-        best = self.best(batch_size)
-        choice = self._drafting(batch_size, best) if best != 0 else self._idle(batch_size)
+        speedups = self._speedups(batch_size, self.stats.accept_rates())
+        best = self._best_of(speedups)
+        drafting = best != 0
+        choice = self._drafting(batch_size, best, speedups) if drafting else self._idle(batch_size)
         self.decisions[choice] = self.decisions.get(choice, 0) + 1
         return choice
 
-    def _drafting(self, batch_size: int, best: Choice) -> Choice:
+    def _drafting(self, batch_size: int, best: Choice, speedups: dict[Choice, float]) -> Choice:
         self.idle_steps = 0
         self.drafting_steps += 1
         if self.probing is not None:
@@ -140,17 +143,18 @@ class DraftPolicy:
         ):
             return 0
         if self.drafting_steps % self.explore_every == 0:
-            untimed = self._untimed(batch_size, best)
+            untimed = self._untimed(batch_size, best, speedups)
             if untimed is not None:
                 self.probing = (untimed, self.probe_steps - 1) if self.probe_steps > 1 else None
                 return untimed
         return best
 
-    def _untimed(self, batch_size: int, best: Choice) -> Choice | None:
+    def _untimed(
+        self, batch_size: int, best: Choice, speedups: dict[Choice, float]
+    ) -> Choice | None:
         """The untimed choice of highest estimated speedup within ``reach`` of the best."""
         if not self.costs.measure:
             return None
-        speedups = self._speedups(batch_size, self.stats.accept_rates())
         floor = self.reach * speedups[best]
         candidates = [
             c for c, s in speedups.items()

@@ -635,7 +635,12 @@ def evaluate(job, encoded: list[dict], args: TrainArgs, autocast) -> dict[str, f
 
 
 def _save_checkpoint(
-    job, optimizer, step: int, out: Path, continued_at: int = 0, segments: list[dict] = ()
+    job,
+    optimizer,
+    step: int,
+    out: Path,
+    continued_at: int = 0,
+    segments: tuple[dict, ...] | list[dict] = (),
 ) -> None:
     """Trainable weights + optimizer state in ``out/checkpoint`` (written aside, then swapped
     in), with the processes that trained it so far (``segments``: a run killed before it
