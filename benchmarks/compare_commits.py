@@ -4,8 +4,11 @@ Plain vLLM, a second plain engine (the noise floor), ``specstream`` from this tr
 ``specstream-ref`` from ``--ref-tree`` (a checkout of another commit, e.g. ``git worktree add
 /tmp/ref COMMIT``: its engine runs with that checkout first on ``PYTHONPATH``) decode the same
 prompts, the methods' order alternating from round to round; speedups are the median of the
-per-round ratios to plain (``specstream bench``'s summary). Every engine runs vLLM's default
-compilation with both cores (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
+per-round ratios to plain (``specstream bench``'s summary); ``--also ngram`` adds other
+methods of ``specstream bench``. Every engine runs vLLM's default compilation, with both cores
+(``VLLM_CPU_OMP_THREADS_BIND=nobind``) or, with ``--omp-threads-bind default``, vLLM's own
+binding as a user gets it (where that leaves a speculating engine one thread, the plugin gives
+it both cores; plain engines keep one).
 
     .venv/bin/python benchmarks/compare_commits.py CKPT --ref-tree /tmp/ref --task e2e \\
         --data ../shared/data/e2e/devset.csv [-n 16] [--batch-sizes 1,4,16] [--rounds 3]
@@ -56,14 +59,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--also", default="", help="more methods of specstream bench, e.g. ngram")
+    ap.add_argument(
+        "--omp-threads-bind",
+        default="nobind",
+        help="VLLM_CPU_OMP_THREADS_BIND of every engine; 'default': vLLM's, as a user gets it",
+    )
     ap.add_argument("--out", default="runs/compare-commits")
     args = ap.parse_args()
+    methods = (*METHODS[:2], *(m for m in args.also.split(",") if m), *METHODS[2:])
+    bind = None if args.omp_threads_bind == "default" else args.omp_threads_bind
     if not (Path(args.ref_tree) / "vllm_specstream").is_dir():
         ap.error(f"--ref-tree {args.ref_tree}: no vllm_specstream package there")
     cfg = bench.BenchConfig(
         checkpoint=args.checkpoint,
         out_dir=args.out,
-        methods=("plain", "plain-control", "specstream"),
+        methods=tuple(m for m in methods if m != "specstream-ref"),
         task=args.task,
         data=args.data,
         num_prompts=args.num_prompts,
@@ -72,28 +83,29 @@ def main() -> None:
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         rounds=args.rounds,
-        omp_threads_bind="nobind",
+        omp_threads_bind=bind,
         engine_options={"enforce_eager": False},
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     per_round = []
-    with tqdm(total=bench.steps_per_method(cfg) * len(METHODS) * args.rounds) as bar:
+    with tqdm(total=bench.steps_per_method(cfg) * len(methods) * args.rounds) as bar:
         for r in range(args.rounds):
             results = {}
-            for method in METHODS if r % 2 == 0 else METHODS[::-1]:
+            for method in methods if r % 2 == 0 else methods[::-1]:
                 bar.set_postfix_str(f"{method}, round {r + 1}/{args.rounds}")
                 if method == "specstream-ref":
                     results[method] = run_ref(cfg, args.ref_tree, bar.update)
                 else:
                     results[method] = bench.run_method(method, cfg, on_progress=bar.update)
                 (out / f"{method}.round{r + 1}.json").write_text(json.dumps(results[method]))
-            per_round.append(bench.summarize({m: results[m] for m in METHODS}, cfg))
+            per_round.append(bench.summarize({m: results[m] for m in methods}, cfg))
     rows = bench.combine_rounds(per_round)
     machine = describe_machine()
     setting = (
         f"{cfg.num_prompts} prompts ({bench.prompt_source(cfg)}), max_tokens {cfg.max_tokens}, "
-        f"fp32, compiled, k={cfg.num_speculative_tokens}, VLLM_CPU_OMP_THREADS_BIND=nobind, "
+        f"fp32, compiled, k={cfg.num_speculative_tokens}, "
+        f"VLLM_CPU_OMP_THREADS_BIND={bind or 'vLLM default'}, "
         f"{cfg.repeats} repeats, {cfg.rounds} rounds (median of per-round speedups); "
         f"specstream-ref: {args.ref_tree}"
     )

@@ -288,7 +288,8 @@ def test_cli_train_export_eval(tiny_base, tmp_path):
     )
     out = run("export", str(tmp_path / "a"), str(tmp_path / "x"), "--merge", "--suffix-drafts", "x")
     assert out.returncode == 2 and out.stderr.strip().endswith(
-        "suffix_drafts must be 'on', 'off' or a score threshold >= 0, got 'x'"
+        "suffix_drafts must be 'on' (suffix drafts where they yield as many tokens per step "
+        "cost as the streams), a score threshold >= 0, or 'off', got 'x'"
     ), out.stderr
     out = run(
         "eval",

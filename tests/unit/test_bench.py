@@ -342,3 +342,19 @@ def test_an_interrupted_method_stops_its_whole_process_group():
         time.sleep(0.05)
     assert not alive(grandchild), "the grandchild outlived its group"
     assert time.monotonic() - start < 5
+
+
+def test_the_default_methods_are_the_same_from_python_and_the_command_line(dirs, monkeypatch):
+    import vllm_specstream.bench.bench as bench
+    from vllm_specstream.cli import main
+
+    ckpt, medusa = dirs
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: ran.append(cfg) or {})
+    for extra in ([], ["--medusa", str(medusa)]):
+        main(["bench", str(ckpt), *extra])
+        from_python = BenchConfig(checkpoint=str(ckpt), medusa=extra[-1] if extra else None)
+        assert ran[-1].methods == from_python.methods
+        assert {"plain", "plain-control", "ngram", "specstream"} <= set(from_python.methods)
+        assert ("medusa" in from_python.methods) == bool(extra)
+        assert "specstream-fixed" not in from_python.methods

@@ -27,7 +27,11 @@ def engine(k=4, model=PROPOSER, **fields):
         num_speculative_tokens=k,
         num_speculative_tokens_per_batch_size=None,
     )
-    return SimpleNamespace(speculative_config=spec, additional_config={KEY: fields})
+    return SimpleNamespace(
+        speculative_config=spec,
+        model_config=SimpleNamespace(max_model_len=64),
+        additional_config={KEY: fields},
+    )
 
 
 def test_unset_fields_are_the_defaults():
@@ -234,6 +238,7 @@ def _vllm_config(k=4, schedule=None, model=PROPOSER, method="custom_class", **fi
     return SimpleNamespace(
         speculative_config=spec,
         scheduler_config=SimpleNamespace(max_num_seqs=64),
+        model_config=SimpleNamespace(max_model_len=64),
         additional_config={"specstream": fields},
     )
 

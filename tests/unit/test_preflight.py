@@ -104,8 +104,8 @@ def test_a_good_setup_passes(tmp_path):
         (
             {"suffix_drafts": "always"},
             2,
-            r"ckpt/config.json \(specstream\): suffix_drafts must be 'on', 'off' or a score "
-            r"threshold >= 0, got 'always'",
+            r"ckpt/config.json \(specstream\): suffix_drafts must be 'on' \(suffix drafts "
+            r"where .*, a score threshold >= 0, or 'off', got 'always'",
         ),
         (
             {"streams_shape": (3, HIDDEN // 2)},

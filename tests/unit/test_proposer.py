@@ -145,13 +145,19 @@ def _token_ids(d1_first=101, d1_second=201) -> np.ndarray:
 
 
 def _proposer(target=None, **fields):
-    """A proposer of an engine whose ``additional_config["specstream"]`` holds ``fields``."""
+    """A proposer of an engine whose ``additional_config["specstream"]`` holds ``fields``
+    (prompt lookup off unless they say otherwise: no runner hands it request ids)."""
+    fields = {"prompt_lookup": "off"} | fields
     from types import SimpleNamespace
 
     from vllm_specstream.model_executor.proposer import SpecStreamProposer
 
     spec = SimpleNamespace(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=None)
-    config = SimpleNamespace(speculative_config=spec, additional_config={"specstream": fields})
+    config = SimpleNamespace(
+        speculative_config=spec,
+        model_config=SimpleNamespace(max_model_len=64),
+        additional_config={"specstream": fields},
+    )
     proposer = SpecStreamProposer(config)
     proposer.load_model(target or _Target())
     return proposer

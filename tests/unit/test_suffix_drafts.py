@@ -8,7 +8,7 @@ import pytest
 from test_proposer import _Target as ProposerTarget
 
 from vllm_specstream.checkpoint.config import ConfigError, suffix_min_score_from
-from vllm_specstream.speculation.choices import SuffixStep
+from vllm_specstream.speculation.choices import CopyStep
 from vllm_specstream.speculation.options import read_options
 from vllm_specstream.speculation.suffix_drafts import (
     SuffixDraft,
@@ -218,7 +218,10 @@ class _Target(ProposerTarget):
         return super().draft_at(stash, rows, indices, num_streams)
 
 
-def _proposer(monkeypatch, cache, min_score=0.5):
+def _proposer(monkeypatch, cache, min_score=0.5, lookup=None):
+    """A proposer with suffix drafts from ``cache`` (prompt lookup off unless ``lookup``
+    gives its field)."""
+    lookup = {"prompt_lookup": "off"} if lookup is None else lookup
     from vllm_specstream.model_executor import proposer as proposer_module
     from vllm_specstream.model_executor.proposer import SpecStreamProposer
 
@@ -230,7 +233,7 @@ def _proposer(monkeypatch, cache, min_score=0.5):
         SimpleNamespace(
             speculative_config=spec,
             model_config=SimpleNamespace(max_model_len=64),
-            additional_config={"specstream": {"suffix_drafts": min_score}},
+            additional_config={"specstream": {"suffix_drafts": min_score} | lookup},
         )
     )
     p.load_model(_Target())
@@ -265,7 +268,7 @@ def test_scoring_suffix_drafts_replace_the_streams_and_skip_their_pass(monkeypat
     # "a" copies (score 2.0 >= 0.5, as long as the streams' drafts); "b" keeps the streams'.
     assert drafts == [[7, 8, 9], [21, 22, 23]]
     assert p.target.streams_for == [[1]]  # the stream pass ran for "b" only
-    assert p._suffix_reqs == {"a"} and p.suffix_drafted == 1
+    assert p._copied == {"a": 0} and p.suffix_drafted == 1
     # The streams' acceptance estimate counts "b"'s drafts only, and the step is not timed
     # as a stream choice.
     assert p.policy.stats.pending.tolist() == [1, 1, 1]
@@ -277,7 +280,7 @@ def test_every_request_copying_runs_no_window_streams_next(monkeypatch):
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     assert p.target.streams_for == [] and p.target.window_streams == 0
     # The next step verifies suffix drafts only and runs no streams: timed on its own.
-    assert p.step_timer.last_choice == SuffixStep(3)
+    assert p.step_timer.last_choice == CopyStep(3)
     # The next step's verified suffix drafts are left out of the streams' estimate.
     before = p.policy.stats.tried.copy()
     p.target.forward_step += 1
@@ -332,16 +335,16 @@ def test_where_the_streams_do_not_pay_suffix_drafts_are_weighed_against_a_plain_
     # Up to num_speculative_tokens (3), no stream pass, timed as a suffix step.
     assert p.propose(SAMPLED, np.array([14, 14]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     assert p.target.streams_for == [] and p.target.window_streams == 0
-    assert p.step_timer.last_choice == SuffixStep(3)
+    assert p.step_timer.last_choice == CopyStep(3)
     for _ in range(8):  # suffix-only steps timed, plain ones not yet: still unpriced
-        p.policy.costs.record(2, SuffixStep(3), 0.013)
+        p.policy.costs.record(2, CopyStep(3), 0.013)
     cache.next_draft = ([7, 8, 9, 10], 0.4)
     p.target = _Target()
     assert p.propose(SAMPLED, np.array([15, 15]), _tokens()) == [[], []]
     cache.next_draft = ([7, 8, 9, 10], 0.2)
     for _ in range(8):  # plain steps of 10 ms, suffix-only steps of 13 ms at batch 2
         p.policy.costs.record(2, 0, 0.010)
-        p.policy.costs.record(2, SuffixStep(3), 0.013)
+        p.policy.costs.record(2, CopyStep(3), 0.013)
     # 1.2 tokens at 1.3 plain steps: less than a plain step's one token at its cost
     p.target = _Target()
     assert p.propose(SAMPLED, np.array([16, 16]), _tokens()) == [[], []]
@@ -372,13 +375,13 @@ def test_on_prices_a_suffix_step_at_its_timed_cost(monkeypatch):
     p = _proposer(monkeypatch, cache, min_score="on")
     monkeypatch.setattr(p, "streams_yield", lambda batch_size, k: 1.6)
     monkeypatch.setattr(p, "draft_length", lambda batch_size: 3)
-    assert p.suffix_step_cost(2) == 1.0
+    assert p.copy_step_cost(2) == 1.0
     # 1.8 tokens at a plain step's cost beat the streams' 1.6: copied
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[7, 8, 9], [7, 8, 9]]
     for _ in range(8):  # plain steps of 10 ms, suffix-only steps of 13 ms at batch 2
         p.policy.costs.record(2, 0, 0.010)
-        p.policy.costs.record(2, SuffixStep(3), 0.013)
-    assert p.suffix_step_cost(2) == pytest.approx(1.3)
+        p.policy.costs.record(2, CopyStep(3), 0.013)
+    assert p.copy_step_cost(2) == pytest.approx(1.3)
     # 1.8 tokens at 1.3 plain steps no longer do (1.6 x 1.3 - 1 = 1.08 > 0.8): the streams draft
     p.target = _Target()
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]

@@ -127,7 +127,11 @@ def test_tree_anchor_indices_use_the_samplers_offsets():
 
 def _engine_config(k=6, **fields):
     spec = SimpleNamespace(method="custom_class", model=None, num_speculative_tokens=k)
-    return SimpleNamespace(speculative_config=spec, additional_config={"specstream": fields})
+    return SimpleNamespace(
+        speculative_config=spec,
+        model_config=SimpleNamespace(max_model_len=64),
+        additional_config={"specstream": fields},
+    )
 
 
 def test_tree_options_and_template_size():

@@ -64,6 +64,14 @@ def test_demo_checkpoint_is_lossless_and_accepts_drafts(demo_runs):
     assert len(per_pos) == 4 and per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3] > 0
 
 
+def test_prompt_lookup_drafts_beside_the_streams(demo_runs):
+    """On by default: SQL copies names from the schema in its prompt, so some requests' steps
+    draft by prompt lookup (the tiny random models of the other engine tests never repeat
+    their context); the outputs above are plain decoding's."""
+    _, spec, *_ = demo_runs
+    assert spec["lookup_drafted"], "no step drafted by prompt lookup"
+
+
 def test_confidence_rule_drafts_less_and_stays_lossless(demo_runs):
     """Field ``draft_min_prob``: shorter drafts, a larger share of them accepted, the
     same outputs."""

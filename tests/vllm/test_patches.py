@@ -572,3 +572,18 @@ def test_proposer_runner_hook_still_fits_vllm():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     assert lines[-6:] == ["True", "True", "True", "False", "True True", "loaded True"]
+
+
+def test_vllms_ngram_matcher_still_drafts_what_followed_the_longest_match():
+    # Prompt lookup (model_executor/prompt_lookup.py) calls it with one n-gram length at a
+    # time; if this fails, vLLM moved or changed its ngram method's matcher.
+    import numpy as np
+
+    from vllm_specstream.model_executor.prompt_lookup import ngram_matcher
+
+    match = ngram_matcher()
+    tokens = np.array([9, 2, 3, 4, 5, 6, 7, 8, 3, 4, 9, 1, 2, 3, 4], dtype=np.int32)
+    assert match(tokens, 3, 3, 64, 3).tolist() == [5, 6, 7]
+    assert match(tokens, 2, 2, 64, 2).tolist() == [5, 6]  # the earliest occurrence
+    assert match(tokens, 4, 4, 64, 3).tolist() == []
+    assert match(tokens, 3, 3, 16, 3).tolist() == [5]  # stops at the model's length

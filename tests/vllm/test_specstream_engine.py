@@ -87,6 +87,7 @@ def run_engine(ckpt, spec: int, engine: dict, requests: list[dict], placement=No
     assert "refused the model's stream stash" not in log, out.stderr[-6000:]
     result["suffix_drafted"] = "specstream drafts from the suffix trees" in log
     result["suffix_from_checkpoint"] = "(the checkpoint's specstream.suffix_drafts;" in log
+    result["lookup_drafted"] = "specstream drafts by prompt lookup" in log
     chosen = re.search(r"specstream stream placement: (\w+) \(", log)
     result["default_placement"] = chosen and chosen.group(1)
     return result

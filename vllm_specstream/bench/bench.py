@@ -70,6 +70,18 @@ ON_REQUEST = ("specstream-fixed", "specstream-suffix", *TREE_METHODS)
 SUFFIX_METHODS = ("suffix", "specstream-suffix")
 
 
+def default_methods(medusa: str | None) -> tuple[str, ...]:
+    """Every method but those run on request: ``medusa`` only with heads, ``suffix`` only
+    where arctic-inference is importable."""
+    return tuple(
+        m
+        for m in METHODS
+        if m not in ON_REQUEST
+        and (medusa or m != "medusa")
+        and (m != "suffix" or has_suffix_decoding())
+    )
+
+
 #: Methods that draft from earlier requests' outputs (suffix decoding's global tree): the
 #: bench sends the same prompts in every cell and repeat, so each of those gets a fresh
 #: engine; otherwise they would draft each answer from its own earlier copy.
@@ -91,8 +103,9 @@ class BenchConfig:
     """Merged specstream checkpoint (``specstream export --merge``): the served model."""
     out_dir: str = "bench-results"
     """Where ``bench.json``, ``bench.md`` and ``bench.png`` are written."""
-    methods: tuple[str, ...] = ("plain", "ngram", "specstream")
-    """Subset of ``METHODS``; ``plain`` is always run (speedups are relative to it)."""
+    methods: tuple[str, ...] | None = None
+    """Subset of ``METHODS``; ``plain`` is always run (speedups are relative to it). None:
+    :func:`default_methods`."""
     medusa: str | None = None
     """Medusa heads for the checkpoint (``specstream train --objective medusa --base CKPT``);
     required for the ``medusa`` method."""
@@ -146,6 +159,8 @@ class BenchConfig:
     """Field ``suffix_drafts`` of ``specstream-suffix`` (``on`` or a score threshold)."""
 
     def __post_init__(self) -> None:
+        if self.methods is None:
+            self.methods = default_methods(self.medusa)
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"--methods: unknown {unknown}; choose from {list(METHODS)}")

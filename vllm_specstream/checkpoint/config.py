@@ -71,6 +71,13 @@ class ConfigError(ValueError):
     """A specstream config is invalid; the message names the file and field."""
 
 
+#: What a ``suffix_drafts`` setting takes (the engine field and the checkpoint's default).
+SUFFIX_DRAFTS_VALUES = (
+    "'on' (suffix drafts where they yield as many tokens per step cost as the streams), a "
+    "score threshold >= 0, or 'off'"
+)
+
+
 def suffix_min_score_from(text: str) -> float | None:
     """A ``suffix_drafts`` setting: empty or ``off`` (None: streams only), ``on`` (nan: the
     threshold follows the streams' expected tokens per step cost) or a score threshold
@@ -85,10 +92,7 @@ def suffix_min_score_from(text: str) -> float | None:
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise ConfigError(
-            f"suffix_drafts={text!r}: expected 'on' (suffix drafts where they yield as "
-            "many tokens per step cost as the streams), a score threshold >= 0, or 'off'"
-        )
+        raise ConfigError(f"suffix_drafts={text!r}: expected {SUFFIX_DRAFTS_VALUES}")
     return value
 
 
@@ -193,8 +197,7 @@ class SpecStreamConfig:
                 suffix_min_score_from(self.suffix_drafts)
             except (ConfigError, AttributeError):
                 raise bad(
-                    "suffix_drafts",
-                    f"must be 'on', 'off' or a score threshold >= 0, got {self.suffix_drafts!r}",
+                    "suffix_drafts", f"must be {SUFFIX_DRAFTS_VALUES}, got {self.suffix_drafts!r}"
                 ) from None
         if self.prune.rank < 1:
             raise bad("prune.rank", f"must be >= 1, got {self.prune.rank!r}")

@@ -26,27 +26,13 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from vllm_specstream.bench.bench import (
-        METHODS,
-        ON_REQUEST,
-        BenchConfig,
-        has_suffix_decoding,
-        run_bench,
-    )
+    from vllm_specstream.bench.bench import BenchConfig, run_bench
 
     try:
         cfg = BenchConfig(
             checkpoint=args.checkpoint,
             out_dir=args.out,
-            methods=tuple(m for m in args.methods.split(",") if m)
-            if args.methods
-            else tuple(
-                m
-                for m in METHODS
-                if m not in ON_REQUEST
-                and (args.medusa or m != "medusa")
-                and (has_suffix_decoding() or m != "suffix")
-            ),
+            methods=tuple(m for m in args.methods.split(",") if m) if args.methods else None,
             medusa=args.medusa,
             task=args.task,
             prompts=args.prompts,

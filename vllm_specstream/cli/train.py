@@ -13,8 +13,41 @@ from vllm_specstream.cli.common import (
     TASK_HELP as _TASK_HELP,
 )
 from vllm_specstream.cli.common import (
+    add_field_flags,
+)
+from vllm_specstream.cli.common import (
     add_split_args as _add_split_args,
 )
+
+#: Flags made from the fields of ``TrainArgs`` of the same name (type, default and help
+#: from the dataclass).
+FIELD_FLAGS = [
+    "out",
+    "sql_rename_copies",
+    "sql_rename_rate",
+    "medusa_heads",
+    "steps",
+    "batch_size",
+    "grad_accum",
+    "lr",
+    "lora_lr",
+    "stream_lr",
+    "stream_init_std",
+    "stream_init_scale",
+    "warmup_steps",
+    "max_length",
+    "num_train",
+    "num_eval",
+    "dtype",
+    "device",
+    "save_every",
+    "eval_every",
+    "seed",
+    "max_minutes",
+    "continue_from",
+    "pack",
+    "frozen_prefix",
+]
 
 
 def _train_task(args: argparse.Namespace) -> str | None:
@@ -66,8 +99,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.sql_rename_copies:
-        split.update(sql_rename_copies=args.sql_rename_copies, sql_rename_rate=args.sql_rename_rate)
     base = args.base
     if base is None:
         from vllm_specstream.base_model import prepare_base
@@ -93,37 +124,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     train_args = TrainArgs(
         base=base,
-        out=args.out,
         task=task,
         data=args.data,
         eval_data=args.eval_data,
         **split,
         objective=args.objective,
         init_from=args.init_from,
-        medusa_heads=args.medusa_heads,
         spec=spec,
         lora=lora,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        lora_lr=args.lora_lr,
-        stream_lr=args.stream_lr,
-        stream_init_std=args.stream_init_std,
-        stream_init_scale=args.stream_init_scale,
-        warmup_steps=args.warmup_steps,
-        max_length=args.max_length,
-        num_train=args.num_train,
-        num_eval=args.num_eval,
-        dtype=args.dtype,
-        device=args.device,
-        save_every=args.save_every,
-        eval_every=args.eval_every,
-        seed=args.seed,
-        max_minutes=args.max_minutes,
-        continue_from=args.continue_from,
-        pack=args.pack,
-        frozen_prefix=args.frozen_prefix,
+        **{name: getattr(args, name) for name in FIELD_FLAGS},
     )
     # streams-only, and a run continuing an adapter (--init-from), write the replies they
     # lack into the --distill file; other runs only read it
@@ -194,8 +203,9 @@ def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = No
 
 
 def add_parser(sub) -> None:
+    from vllm_specstream.checkpoint.config import LossConfig, SpecStreamConfig
     from vllm_specstream.training.tasks import ALL_TASKS
-    from vllm_specstream.training.tasks.sql_rename import DEFAULT_RENAME_RATE
+    from vllm_specstream.training.train import TrainArgs
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
 
@@ -207,7 +217,6 @@ def add_parser(sub) -> None:
         "and resumes from there when run again with the same --out.",
         formatter_class=defaults,
     )
-    p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--base", help="base model dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument(
         "--task",
@@ -226,21 +235,6 @@ def add_parser(sub) -> None:
         "else the synthetic task's test split)",
     )
     _add_split_args(p, choose_split=False, val_note="; 0 trains on all of it")
-    p.add_argument(
-        "--sql-rename-copies",
-        type=int,
-        default=0,
-        metavar="N",
-        help="--task sql: add N copies of each training record with its tables and columns "
-        "renamed (consistently in schema, question and query), so the model copies names "
-        "from the schema instead of memorising the training databases' (default: 0)",
-    )
-    p.add_argument(
-        "--sql-rename-rate",
-        type=float,
-        default=DEFAULT_RENAME_RATE,
-        help="share of the schema's word parts a renamed copy renames (default: %(default)s)",
-    )
     p.add_argument(
         "--objective",
         default="specstream",
@@ -288,16 +282,13 @@ def add_parser(sub) -> None:
         help="streams-only and --init-from with --distill: dtype of the vLLM engine that "
         "writes the replies (that of the deployment)",
     )
-    p.add_argument("--medusa-heads", type=int, default=4, help="heads for --objective medusa")
-    p.add_argument("--num-streams", type=int, default=4, help="gamma")
-    p.add_argument("--num-msa-layers", type=int, default=6, help="N_s")
-    p.add_argument("--stream-position", default="shifted", choices=["shifted", "anchor"])
-    p.add_argument("--init-rank", type=int, default=0, help="eta (0 = identity init)")
+    add_field_flags(
+        p, SpecStreamConfig, ["num_streams", "num_msa_layers", "stream_position", "init_rank"]
+    )
     p.add_argument("--prune", action="store_true", help="also train the tree-pruning adapter")
     p.add_argument("--prune-rank", type=int, default=8)
     p.add_argument("--prune-threshold", type=float, default=0.01)
-    p.add_argument("--a0", type=float, default=1.0, help="main-stream loss weight")
-    p.add_argument("--a-j", type=float, default=0.1, help="stream loss weight")
+    add_field_flags(p, LossConfig, ["a0", "a_j"], a_j={"help": "weight of each stream's loss"})
     p.add_argument(
         "--lora-rank",
         type=int,
@@ -308,75 +299,22 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     )
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=2e-4)
-    p.add_argument(
-        "--lora-lr",
-        type=float,
-        help="learning rate of the main model's LoRA alone (default: --lr); 0 freezes it: "
-        "with --init-from and --distill the streams learn the adapter's own replies while "
-        "its outputs stay exactly what they were",
-    )
-    p.add_argument("--stream-lr", type=float, default=2e-2)
-    p.add_argument(
-        "--stream-init-std", type=float, default=0.02, help="used with --stream-init-scale 0"
-    )
-    p.add_argument(
-        "--stream-init-scale",
-        type=float,
-        default=0.5,
-        help="stream embedding norm as a fraction of the residual norm at L0",
-    )
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--num-train", type=int, help="built-in task records to generate")
-    p.add_argument("--num-eval", type=int, default=64)
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bf16", "fp32"],
-        help="training precision (auto: bf16 on a GPU or a CPU with native bf16, else fp32)",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="cpu, cuda, cuda:N, or auto (a CUDA GPU when PyTorch sees one); the adapter "
-        "written is the same",
-    )
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--max-minutes",
-        type=float,
-        metavar="M",
-        help="stop after the first step past M minutes of training and write the adapter as it "
-        "stands, with OUT/train_state.json (step reached, examples seen); the same command "
-        "continues from OUT/checkpoint, --continue-from continues from the adapter alone",
-    )
-    p.add_argument(
-        "--continue-from",
-        metavar="ADAPTER_DIR",
-        help="continue an unfinished run (--max-minutes) from its adapter alone, e.g. one "
-        "committed or copied from another machine: at its step, with the data order and "
-        "learning-rate schedule of the whole run (the same settings and --data; checked), so "
-        "no example repeats before all have been seen; the optimizer's moments restart under "
-        "a --warmup-steps warm-up",
-    )
-    p.add_argument(
-        "--no-pack",
-        dest="pack",
-        action="store_false",
-        help="pad each batch to its longest example instead of packing examples into rows "
-        "(same loss, slower)",
-    )
-    p.add_argument(
-        "--no-frozen-prefix",
-        dest="frozen_prefix",
-        action="store_false",
-        help="recompute the frozen layers below the lowest LoRA layer at every step instead of "
-        "once per example (same loss, slower; the cache applies with --lora-layers msa)",
+    add_field_flags(
+        p,
+        TrainArgs,
+        FIELD_FLAGS,
+        sql_rename_copies={"metavar": "N"},
+        dtype={"choices": ["auto", "bf16", "fp32"]},
+        max_minutes={"metavar": "M"},
+        continue_from={"metavar": "ADAPTER_DIR"},
+        pack={
+            "help": "pad each batch to its longest example instead of packing examples into "
+            "rows (same loss, slower)"
+        },
+        frozen_prefix={
+            "help": "recompute the frozen layers below the lowest LoRA layer at every step "
+            "instead of once per example (same loss, slower; the cache applies with "
+            "--lora-layers msa)"
+        },
     )
     p.set_defaults(func=_cmd_train)

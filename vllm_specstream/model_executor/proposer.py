@@ -2,10 +2,12 @@
 
 The drafts were computed inside the target's own forward (:mod:`model_executor.specstream`);
 the proposer only picks, per request, the row of the last accepted token and returns its
-stream tokens, clipped to ``num_speculative_tokens``; with suffix drafts (field ``suffix_drafts``) a
-request takes the suffix trees' draft instead where it scores at least as well
-(:mod:`vllm_specstream.speculation.suffix_drafts`). It keeps no per-row state: rows of vLLM's input batch
-move between steps. It takes the model's stash (clearing it) and uses
+stream tokens, clipped to ``num_speculative_tokens``. A request takes a copied draft instead
+where it yields as many tokens per step cost: prompt lookup's
+(:mod:`vllm_specstream.model_executor.prompt_lookup`, field ``prompt_lookup``, on by default)
+or the suffix trees' (:mod:`vllm_specstream.speculation.suffix_drafts`, field
+``suffix_drafts``). It keeps no per-row state: rows of vLLM's input batch move between steps
+(copied drafts are followed by request id). It takes the model's stash (clearing it) and uses
 it only if it is this step's (:mod:`vllm_specstream.model_executor.stash`); steps that
 draft nothing are watched (:mod:`vllm_specstream.speculation.draft_watch`).
 """
@@ -19,12 +21,13 @@ import numpy as np
 
 from vllm_specstream.checkpoint.config import ConfigError
 from vllm_specstream.logger import init_logger
+from vllm_specstream.model_executor.prompt_lookup import PromptLookup
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
 from vllm_specstream.model_executor.trees.step import WORKER_TREES, tree_problem
 from vllm_specstream.speculation.choices import (
     AnchoredChain,
     Choice,
-    SuffixStep,
+    CopyStep,
     TreeChoice,
     rows_of,
     tree_choices,
@@ -57,9 +60,10 @@ def _apply_in_worker(patch) -> None:
 
 
 def _hand_runner_to_proposer() -> None:
-    """Suffix trees are kept by the runner's input batch, which vLLM does not hand to a
-    ``custom_class`` proposer: the runner hands itself over once it has loaded the model (it
-    builds its proposer first, so patching its class here is in time)."""
+    """Copied drafts are followed by request id, and suffix trees kept by them, which the
+    runner's input batch holds and vLLM does not hand to a ``custom_class`` proposer: the
+    runner hands itself over once it has loaded the model (it builds its proposer first, so
+    patching its class here is in time)."""
     from vllm_specstream.patches.proposer_runner import PROPOSER_RUNNER
 
     _apply_in_worker(PROPOSER_RUNNER)
@@ -226,14 +230,20 @@ class SpecStreamProposer:
             )
         elif options.suffix_skipped:
             logger.warning("%s", options.suffix_skipped)
-        #: The model runner (its input batch's request ids and prompt lengths key the
+        #: Prompt-lookup drafts beside the streams (None: off).
+        self.prompt_lookup: PromptLookup | None = None
+        if options.prompt_lookup and self.k:
+            self.prompt_lookup = PromptLookup(self.k, int(vllm_config.model_config.max_model_len))
+            _hand_runner_to_proposer()
+        #: The model runner (its input batch's request ids follow copied drafts and key the
         #: suffix trees): :mod:`vllm_specstream.patches.proposer_runner`.
         self._runner = None
-        #: Requests whose last drafts were the suffix trees' (left out of the streams'
-        #: acceptance estimate when verified).
-        self._suffix_reqs: set[str] = set()
-        #: Requests' drafts taken from the suffix trees.
+        #: Requests whose last drafts were copied: the matched n-gram length of a lookup, 0
+        #: for the suffix trees' (left out of the streams' acceptance estimate when verified).
+        self._copied: dict[str, int] = {}
+        #: Requests' drafts taken from the suffix trees, and from prompt lookup.
         self.suffix_drafted = 0
+        self.lookup_drafted = 0
 
     def bind_runner(self, runner) -> None:
         self._runner = weakref.ref(runner)
@@ -298,15 +308,15 @@ class SpecStreamProposer:
     ):
         stash = self.target.take_stash()
         self._tree_rows = set()
-        req_ids = self._suffix_update(sampled_token_ids, token_ids_cpu)
+        req_ids = self._batch_req_ids(sampled_token_ids, token_ids_cpu)
+        copied = {r: self._copied[q] for r, q in enumerate(req_ids) if q in self._copied}
+        if self.prompt_lookup is not None and copied:
+            self.prompt_lookup.verified(copied, sampled_token_ids)
         if self.policy is not None:
             chain_sampled = self._record_tree_rows(sampled_token_ids)
-            if self._suffix_reqs:
-                # Verified suffix drafts say nothing of the streams' acceptance.
-                chain_sampled = [
-                    [] if r < len(req_ids) and req_ids[r] in self._suffix_reqs else s
-                    for r, s in enumerate(chain_sampled)
-                ]
+            if copied:
+                # Verified copies say nothing of the streams' acceptance.
+                chain_sampled = [[] if r in copied else s for r, s in enumerate(chain_sampled)]
             self._filed_tree = None
             self.policy.stats.record_verified(chain_sampled)
             self.step_timer.record(
@@ -335,7 +345,7 @@ class SpecStreamProposer:
             window_streams_batch=len(sampled_token_ids),
         )
         suffix = (
-            self._suffix_choice(k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            self._copy_choice(k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
             if req_ids
             else {}
         )
@@ -350,7 +360,6 @@ class SpecStreamProposer:
         if k != 0:
             expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
             self.watch.step(expected, any(drafts), why_none)
-        self._suffix_reqs = {req_ids[r] for r in suffix}
         if suffix and len(suffix) == sum(1 for s in sampled_token_ids if s):
             # Every request copies this step: the next forward runs no window streams (a
             # request that then needs the streams gets them at its anchor).
@@ -373,12 +382,12 @@ class SpecStreamProposer:
             elif window and isinstance(k, int) and k != 0 and (from_anchors or window_ran < k):
                 timed_as = None
             if suffix:
-                # A step verifying suffix drafts only, with no stream pass, is timed as such
-                # (its cost prices the next suffix drafts); one mixing sources is not timed.
+                # A step verifying copied drafts only, with no stream pass, is timed as such
+                # (its cost prices the next copies); one mixing sources is not timed.
                 copies_only = self.target.window_streams == 0 and all(
                     not d or r in suffix for r, d in enumerate(drafts)
                 )
-                timed_as = SuffixStep(self.k) if copies_only else None
+                timed_as = CopyStep(self.k) if copies_only else None
             if not any(drafts):  # a plain step, unless streams ran for drafts not made
                 timed_as = 0 if k == 0 else None
             self.step_timer.proposed(timed_as)
@@ -391,79 +400,106 @@ class SpecStreamProposer:
             if getattr(target, name, None) != value:
                 setattr(target, name, value)
 
-    def _suffix_update(self, sampled_token_ids, token_ids_cpu) -> list[str]:
-        """Grows the suffix trees by this step's sampled tokens; returns the batch's request
-        ids ([] without suffix drafts)."""
-        if self.suffix is None:
+    def _batch_req_ids(self, sampled_token_ids, token_ids_cpu) -> list[str]:
+        """The batch's request ids ([] without copied drafts); the suffix trees grow by this
+        step's sampled tokens."""
+        if self.suffix is None and self.prompt_lookup is None:
             return []
         runner = self._runner() if self._runner is not None else None
         if runner is None:
-            self.suffix = None
+            self.suffix = self.prompt_lookup = None
             logger.warning(
-                "suffix_drafts: the model runner was not handed to the proposer (patch "
+                "specstream: the model runner was not handed to the proposer (patch "
                 "proposer-runner not applied in this process), so the streams draft alone"
             )
             return []
         batch = runner.input_batch
         n = len(sampled_token_ids)
         req_ids = list(batch.req_ids[:n])
-        self.suffix.update(req_ids, batch.num_prompt_tokens[:n], token_ids_cpu, sampled_token_ids)
+        if self.suffix is not None:
+            self.suffix.update(
+                req_ids, batch.num_prompt_tokens[:n], token_ids_cpu, sampled_token_ids
+            )
         return req_ids
 
     def streams_yield(self, batch_size: int, k: Choice) -> float:
         """Tokens per plain step's cost the policy expects of stream drafts ``k``."""
         return self.policy.speedup(batch_size, k)
 
-    def suffix_step_cost(self, batch_size: int) -> float:
-        """A step verifying suffix drafts only, over a plain step: as timed in this engine
+    def copy_step_cost(self, batch_size: int) -> float:
+        """A step verifying copied drafts only, over a plain step: as timed in this engine
         (verify rows, no stream pass), 1.0 before it has enough such steps."""
         if self.policy is None:
             return 1.0
-        return self.policy.costs.ratio(batch_size, SuffixStep(self.k))
+        return self.policy.costs.ratio(batch_size, CopyStep(self.k))
 
-    def suffix_step_timed(self, batch_size: int) -> bool:
-        """Whether this engine has timed enough suffix-only and plain steps at this batch
+    def copy_step_timed(self, batch_size: int) -> bool:
+        """Whether this engine has timed enough copy-only and plain steps at this batch
         size to price the former."""
-        return self.policy is not None and self.policy.costs.timed(batch_size, SuffixStep(self.k))
+        return self.policy is not None and self.policy.costs.timed(batch_size, CopyStep(self.k))
 
-    def _suffix_choice(self, k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
-        """Rows that draft from the suffix trees this step, with their drafts: those whose
-        draft scores at least the threshold. ``on``: a suffix step yields ``1 + score``
-        tokens at the cost such steps are timed at (no stream pass; a plain step's until
-        timed), a stream step the policy's expected tokens at its step cost; the suffix
-        draft is taken where it yields as much per cost.
-        Where the streams do not pay (``k`` 0), suffix drafts of up to
-        ``num_speculative_tokens`` are weighed against a plain step: taken where ``1 + score``
-        tokens at a suffix step's timed cost beat one token at a plain step's; before such
-        steps are timed at this batch size (or with the user's schedule, which prices no
-        step), where they score at least 1."""
-        min_score = self.suffix_min_score
+    def _copy_choice(self, k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu):
+        """Rows that draft a copy this step, with their drafts: per row the better scoring of
+        its prompt-lookup and suffix-tree drafts (a score is the draft's expected accepted
+        tokens), where it reaches the threshold. A copy step yields ``1 + score`` tokens at
+        the cost such steps are timed at (no stream pass; a plain step's until timed), a
+        stream step the policy's expected tokens at its step cost; the copy is taken where it
+        yields as much per cost.
+        Where the streams do not pay (``k`` 0), copies of up to ``num_speculative_tokens``
+        are weighed against a plain step: taken where ``1 + score`` tokens at a copy step's
+        timed cost beat one token at a plain step's; before such steps are timed at this
+        batch size (or with the user's schedule, which prices no step), where they score at
+        least 1. Field ``suffix_drafts`` as a number is the suffix drafts' fixed threshold."""
         n = len(sampled_token_ids)
-        # Where the streams do not pay, suffix drafts alone (no stream pass), up to
+        # Where the streams do not pay, copies alone (no stream pass), up to
         # num_speculative_tokens; else as long as the streams' (the verify rows priced).
         length = self.k if k == 0 else rows_of(k)
-        if math.isnan(min_score) and (
-            self.policy is None or (k == 0 and not self.suffix_step_timed(n))
-        ):
+        if self.policy is None or (k == 0 and not self.copy_step_timed(n)):
             # The user's schedule prices no step; where the streams do not pay, an untimed
-            # suffix step's verify rows are not taken as free (with 4 drafts per request
+            # copy step's verify rows are not taken as free (with 4 drafts per request
             # they cost ~2 plain steps at batch 16 on AVX2): one token expected kept pays
             # for them until such steps are timed.
             min_score = SCHEDULED_MIN_SCORE
-        elif math.isnan(min_score):
-            # Tokens per plain step's cost of the step a suffix draft would replace: the
-            # streams', or a plain step's one token where they do not pay.
+        else:
+            # Tokens per plain step's cost of the step a copy would replace: the streams',
+            # or a plain step's one token where they do not pay.
             rival = self.streams_yield(n, k) if k != 0 else 1.0
-            min_score = max(rival * self.suffix_step_cost(n) - 1.0, 0.0)
-        drafts = {
-            r: self.suffix.draft(req_ids[r], token_ids_cpu[r], int(num_tokens_no_spec[r]), length)
-            for r, sampled in enumerate(sampled_token_ids)
-            if sampled
-        }
-        chosen = suffix_rows(drafts, min_score)
-        if chosen and not self.suffix_drafted:
-            logger.info("specstream drafts from the suffix trees (first at batch %d)", len(drafts))
-        self.suffix_drafted += len(chosen)
+            min_score = max(rival * self.copy_step_cost(n) - 1.0, 0.0)
+        rows = [r for r, sampled in enumerate(sampled_token_ids) if sampled]
+        chosen: dict[int, list[int]] = {}
+        copied: dict[str, int] = {}
+        lookups = {}
+        if self.prompt_lookup is not None:
+            lookups = self.prompt_lookup.drafts(
+                token_ids_cpu, num_tokens_no_spec, rows, length, min_score
+            )
+            for r, d in lookups.items():
+                if d.tokens and d.score >= min_score:
+                    chosen[r], copied[req_ids[r]] = d.tokens, d.ngram
+        if self.suffix is not None:
+            fixed = self.suffix_min_score
+            suffix_min = min_score if math.isnan(fixed) else fixed
+            drafts = {
+                r: self.suffix.draft(
+                    req_ids[r], token_ids_cpu[r], int(num_tokens_no_spec[r]), length
+                )
+                for r in rows
+            }
+            for r, tokens in suffix_rows(drafts, suffix_min).items():
+                if r not in chosen or drafts[r].score > lookups[r].score:
+                    chosen[r], copied[req_ids[r]] = tokens, 0
+            taken = sum(1 for q in copied.values() if q == 0)
+            if taken and not self.suffix_drafted:
+                logger.info("specstream drafts from the suffix trees (first at batch %d)", n)
+            self.suffix_drafted += taken
+        if self.prompt_lookup is not None:
+            taken = [r for r in chosen if copied[req_ids[r]] > 0]
+            self.prompt_lookup.proposed(lookups, taken, n)
+        lookup_taken = sum(1 for q in copied.values() if q > 0)
+        if lookup_taken and not self.lookup_drafted:
+            logger.info("specstream drafts by prompt lookup (first at batch %d)", n)
+        self.lookup_drafted += lookup_taken
+        self._copied = copied
         return chosen
 
     def _record_tree_rows(self, sampled_token_ids):

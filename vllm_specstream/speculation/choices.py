@@ -32,16 +32,15 @@ class AnchoredChain:
 
 
 @dataclass(frozen=True)
-class SuffixStep:
-    """A step whose requests all verify suffix-tree drafts of up to ``k`` tokens and whose
-    forward runs no streams (:mod:`vllm_specstream.speculation.suffix_drafts`). Not a
-    choice but a cost key: such steps are timed on their own, so that a suffix draft is
-    priced at what its step costs."""
+class CopyStep:
+    """A step whose requests all verify copied drafts of up to ``k`` tokens (prompt lookup
+    or suffix trees) and whose forward runs no streams. Not a choice but a cost key: such
+    steps are timed on their own, so that a copied draft is priced at what its step costs."""
 
     k: int
 
     def __str__(self) -> str:
-        return f"suffix{self.k}"
+        return f"copy{self.k}"
 
 
 #: A step's drafts per request: 0 (none), a chain of that many (its streams where the
@@ -49,16 +48,16 @@ class SuffixStep:
 Choice = int | AnchoredChain | TreeChoice
 
 
-def rows_of(choice: Choice | SuffixStep) -> int:
+def rows_of(choice: Choice | CopyStep) -> int:
     """Draft rows per request a step of ``choice`` verifies."""
     if isinstance(choice, TreeChoice):
         return choice.nodes
-    if isinstance(choice, (AnchoredChain, SuffixStep)):
+    if isinstance(choice, (AnchoredChain, CopyStep)):
         return choice.k
     return int(choice)
 
 
-def choice_label(choice: Choice | SuffixStep) -> str:
+def choice_label(choice: Choice | CopyStep) -> str:
     """A choice as logs and benchmarks name it: ``k2`` for a chain, else its ``str``."""
     return f"k{choice}" if isinstance(choice, int) else str(choice)
 

@@ -26,7 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from vllm_specstream import PROPOSER
-from vllm_specstream.checkpoint.config import ConfigError, suffix_min_score_from
+from vllm_specstream.checkpoint.config import (
+    SUFFIX_DRAFTS_VALUES,
+    ConfigError,
+    suffix_min_score_from,
+)
 from vllm_specstream.speculation.suffix_drafts import suffix_cache_class
 
 #: The key of ``additional_config`` that holds the plugin's fields.
@@ -44,9 +48,10 @@ FIELDS = {
     "of one per stream, e.g. 2 or [3, 2, 1, 1]; 0 or null: chain drafts",
     "tree_prune": "the early-exit pruning threshold of draft trees, in [0, 1), or 'off'; "
     "null: the checkpoint's prune.threshold",
-    "suffix_drafts": "'on' (suffix drafts where they yield as many tokens per step cost as "
-    "the streams), a score threshold >= 0, or 'off'; null: the checkpoint's suffix_drafts",
+    "suffix_drafts": f"{SUFFIX_DRAFTS_VALUES}; null: the checkpoint's suffix_drafts",
     "draft_min_prob": "the confidence rule's threshold in [0, 1); 0: off",
+    "prompt_lookup": "'on' (drafts copied from the request's prompt and output where they "
+    "yield as many tokens per step cost as the streams; the default) or 'off'",
 }
 
 #: Per-engine variables of earlier releases and the field that replaces each.
@@ -108,6 +113,10 @@ class SpecStreamOptions:
     suffix_skipped: str | None = None
     """Why the checkpoint's suffix-drafts default is not followed (None: it is, or there is
     none, or the field is set): :func:`suffix_default_skipped`."""
+    prompt_lookup: bool = False
+    """Whether a request's step may draft by prompt lookup instead of the streams
+    (:mod:`vllm_specstream.model_executor.prompt_lookup`): field ``prompt_lookup``, on by
+    default for chain drafts (draft trees draft without it)."""
 
     @property
     def trees(self) -> bool:
@@ -238,6 +247,16 @@ def tree_top_k_from(value: object) -> tuple[int, ...] | None:
     return None if all(k == 1 for k in ks) else tuple(ks)
 
 
+def prompt_lookup_from(value: object) -> bool | None:
+    """Field ``prompt_lookup``: ``on``/``off`` (or a bool); None: unset."""
+    if value is None or isinstance(value, bool):
+        return value
+    mode = str(value).strip().lower()
+    if mode not in ("on", "off"):
+        raise _bad("prompt_lookup", value)
+    return mode == "on"
+
+
 def suffix_drafts_from(value: object) -> float | None:
     """Field ``suffix_drafts`` as :func:`~vllm_specstream.speculation.suffix_drafts.suffix_min_score_from`
     reads it (None: off)."""
@@ -261,6 +280,11 @@ TREES_TP_ERROR = (
 SUFFIX_WITH_TREES = (
     "field suffix_drafts drafts chains beside the streams, not trees: leave out tree_top_k "
     "or suffix_drafts"
+)
+
+LOOKUP_WITH_TREES = (
+    "field prompt_lookup drafts chains beside the streams, not trees: leave out tree_top_k "
+    "or prompt_lookup"
 )
 
 
@@ -321,6 +345,9 @@ def _read_options(vllm_config) -> SpecStreamOptions:
     user_suffix = suffix_drafts_from(raw.get("suffix_drafts"))
     if trees is not None and user_suffix is not None:
         raise ConfigError(SUFFIX_WITH_TREES)
+    lookup = prompt_lookup_from(raw.get("prompt_lookup"))
+    if trees is not None and lookup:
+        raise ConfigError(LOOKUP_WITH_TREES)
     options = dict(
         placement=placement_from(raw.get("placement")),
         stream_dtype=stream_dtype_from(raw.get("stream_dtype")),
@@ -338,8 +365,8 @@ def _read_options(vllm_config) -> SpecStreamOptions:
             default_score = suffix_min_score_from(default)
         except ConfigError:
             raise ConfigError(
-                f"{_model_name(vllm_config)} config.json (specstream): suffix_drafts must be "
-                f"'on', 'off' or a score threshold >= 0, got {default!r}"
+                f"{_model_name(vllm_config)} config.json (specstream): suffix_drafts "
+                f"must be {SUFFIX_DRAFTS_VALUES}, got {default!r}"
             ) from None
         if default_score is not None:
             skipped = suffix_default_skipped(default, trees=trees is not None)
@@ -351,6 +378,7 @@ def _read_options(vllm_config) -> SpecStreamOptions:
         suffix_min_score=suffix_min_score,
         suffix_from_checkpoint=default is not None and suffix_min_score is not None,
         suffix_skipped=skipped,
+        prompt_lookup=trees is None and lookup is not False,
         **options,
     )
 

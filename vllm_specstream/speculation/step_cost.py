@@ -19,7 +19,7 @@ import numpy as np
 from vllm_specstream.speculation.choices import (
     AnchoredChain,
     Choice,
-    SuffixStep,
+    CopyStep,
     TreeChoice,
     rows_of,
 )
@@ -91,12 +91,12 @@ class StepCosts:
     """Step times kept per (bucket, choice): medians follow the recent traffic."""
     min_samples: int = 4
     """Step times needed per (bucket, choice) before they count."""
-    times: dict[tuple[int, Choice | SuffixStep], deque] = field(default_factory=dict, init=False)
+    times: dict[tuple[int, Choice | CopyStep], deque] = field(default_factory=dict, init=False)
     _cache: dict = field(default_factory=dict, init=False, repr=False)
     """Medians, the fit and ratios since the last recorded step (every choice is priced
     at every step from the same medians)."""
 
-    def record(self, batch_size: int, choice: Choice | SuffixStep, seconds: float) -> None:
+    def record(self, batch_size: int, choice: Choice | CopyStep, seconds: float) -> None:
         if not self.measure:
             return
         key = (batch_bucket(batch_size), choice)
@@ -154,7 +154,7 @@ class StepCosts:
         key = ("ratio", batch_size, choice)
         if key not in self._cache:
             ratio = self.measured_ratio(batch_size, choice)
-            if ratio is None and isinstance(choice, SuffixStep):
+            if ratio is None and isinstance(choice, CopyStep):
                 ratio = 1.0  # no stream pass; its verify rows count once it is timed
             elif ratio is None:
                 model = self.model(anchored=isinstance(choice, AnchoredChain))
@@ -196,7 +196,7 @@ class StepTimer:
 
     clock: Callable[[], float] = time.perf_counter
     last_time: float | None = field(default=None, init=False)
-    last_choice: Choice | SuffixStep | None = field(default=None, init=False)
+    last_choice: Choice | CopyStep | None = field(default=None, init=False)
     """The choice of the step under way (None: not one clean choice)."""
     last_tokens: list[int] | None = field(default=None, init=False)
     last_ids: list[int] | None = field(default=None, init=False)
@@ -230,7 +230,7 @@ class StepTimer:
         most = rows_of(self.last_choice) + 1
         return len(last) == len(tokens) and all(1 <= t - s <= most for t, s in zip(tokens, last))
 
-    def proposed(self, choice: Choice | SuffixStep | None) -> None:
+    def proposed(self, choice: Choice | CopyStep | None) -> None:
         """The call's step is timed as ``choice`` (None: not one clean choice)."""
         self.last_choice = choice
 

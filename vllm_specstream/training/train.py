@@ -108,12 +108,15 @@ class TrainArgs:
     sql_rename_rate: float = DEFAULT_RENAME_RATE
     """Share of the schema's word parts each renamed copy renames."""
     medusa_heads: int = 4
-    """Number of Medusa heads (objective "medusa")."""
+    """Number of Medusa heads (objective medusa)."""
     spec: SpecStreamConfig = field(default_factory=SpecStreamConfig)
     lora: LoraSettings | None = field(default_factory=LoraSettings)
     steps: int = 300
+    """Optimizer steps of the whole run (also of a run continued with ``continue_from``)."""
     batch_size: int = 8
+    """Examples per micro-batch."""
     grad_accum: int = 1
+    """Micro-batches per optimizer step."""
     lr: float = 2e-4
     """Learning rate of LoRA (and the small adapters)."""
     lora_lr: float | None = None
@@ -130,10 +133,14 @@ class TrainArgs:
     the residual stream entering layer L0 (measured on the first batch), so that streams
     start distinct from the main stream; 0 uses ``stream_init_std``."""
     warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up (again when continuing an adapter)."""
     max_length: int = 256
+    """Longest example in tokens: longer ones lose prompt tokens from the left (a reply longer
+    on its own is cut on the right)."""
     num_train: int | None = None
     """Records of the built-in task to generate (default: the task's default)."""
     num_eval: int = 64
+    """Held-out examples the periodic evaluation reads."""
     dtype: str = "auto"
     """"bf16" (autocast), "fp32", or "auto" (bf16 on a GPU or where the CPU has native bf16
     matmuls)."""
@@ -141,15 +148,18 @@ class TrainArgs:
     """Where training runs: "cpu", "cuda" (or "cuda:N"), or "auto" (a CUDA GPU when PyTorch
     sees one, else the CPU). The adapter written is the same either way (saved on the CPU)."""
     save_every: int = 50
+    """Steps between checkpoints in ``out/checkpoint`` (a run started again resumes there)."""
     eval_every: int = 100
+    """Steps between evaluations on the held-out examples (and at the last step)."""
     seed: int = 0
+    """Seed of the data order and the initialisation."""
     max_minutes: float | None = None
     """Stop after the first step past this many minutes of training, writing the adapter as
     it stands and ``train_state.json`` (the step reached); the same command continues from
     ``out/checkpoint``, and ``continue_from`` continues from the adapter alone."""
     continue_from: str | None = None
-    """The adapter of an unfinished run (``max_minutes``) with the same settings
-    (:data:`CHAIN_FIELDS`) and data: training continues at its step, with the data order and
+    """The adapter of an unfinished run (``max_minutes``) with the same settings and data
+    (checked): training continues at its step, with the data order and
     learning-rate schedule of the whole run, so no example is seen twice before all have
     been. The optimizer's moments are not part of an adapter: they start again, under a
     warm-up of ``warmup_steps``."""
