@@ -22,9 +22,6 @@ import numpy as np
 
 from vllm_specstream.speculation.acceptance import AcceptanceStats
 
-#: Where vLLM's matcher lives (the one touch point of this module).
-MATCHER = "vllm.v1.spec_decode.ngram_proposer._find_longest_matched_ngram_and_propose_tokens"
-
 
 def ngram_matcher():
     from vllm.v1.spec_decode.ngram_proposer import (
@@ -83,8 +80,8 @@ class PromptLookup:
     ) -> dict[int, LookupDraft]:
         """Per row of ``rows``: up to ``k`` tokens continuing ``token_ids[row, :num_tokens[row]]``,
         those after the first occurrence of its longest last n-gram that occurred before.
-        None where no lookup of ``k`` could score ``min_score`` (the evidence of every length
-        then fades, as that of a length not taken)."""
+        Empty where no lookup of ``k`` could score ``min_score`` (no row is matched; the
+        evidence of every length then fades, as that of a length not taken)."""
         s = self.settings
         rates = {n: stats.accept_rates() for n, stats in self.stats.items()}
         if max(float(r[:k].sum()) for r in rates.values()) < min_score:
@@ -129,8 +126,3 @@ class PromptLookup:
             stats.record_verified(
                 [s if ngrams.get(r) == n else [] for r, s in enumerate(sampled_token_ids)]
             )
-
-    def summary(self) -> str:
-        return ", ".join(
-            f"{n}-gram {np.round(s.accept_rates(), 2).tolist()}" for n, s in self.stats.items()
-        )

@@ -344,7 +344,7 @@ class SpecStreamProposer:
             window_streams=streams if self.tree is None else min(streams, self.tree.num_streams),
             window_streams_batch=len(sampled_token_ids),
         )
-        suffix = (
+        copies = (
             self._copy_choice(k, req_ids, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
             if req_ids
             else {}
@@ -353,20 +353,20 @@ class SpecStreamProposer:
             drafts = [[] for _ in sampled_token_ids]
         else:
             drafts, why_none = self._drafts(
-                stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, skip=suffix
+                stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, skip=copies
             )
-        for r, tokens in suffix.items():
+        for r, tokens in copies.items():
             drafts[r] = tokens
         if k != 0:
             expected = any(sampled_token_ids) and (stash is None or stash.drafting_rank)
             self.watch.step(expected, any(drafts), why_none)
-        if suffix and len(suffix) == sum(1 for s in sampled_token_ids if s):
+        if copies and len(copies) == sum(1 for s in sampled_token_ids if s):
             # Every request copies this step: the next forward runs no window streams (a
             # request that then needs the streams gets them at its anchor).
             self._set_target(window_streams=0)
         if self.policy is not None:
             trees = self._tree_rows
-            other = trees | set(suffix)
+            other = trees | set(copies)
             self.policy.stats.record_proposed(
                 [[] if r in other else d for r, d in enumerate(drafts)] if other else drafts
             )
@@ -381,11 +381,11 @@ class SpecStreamProposer:
                 timed_as = k if from_anchors else None
             elif window and isinstance(k, int) and k != 0 and (from_anchors or window_ran < k):
                 timed_as = None
-            if suffix:
+            if copies:
                 # A step verifying copied drafts only, with no stream pass, is timed as such
                 # (its cost prices the next copies); one mixing sources is not timed.
                 copies_only = self.target.window_streams == 0 and all(
-                    not d or r in suffix for r, d in enumerate(drafts)
+                    not d or r in copies for r, d in enumerate(drafts)
                 )
                 timed_as = CopyStep(self.k) if copies_only else None
             if not any(drafts):  # a plain step, unless streams ran for drafts not made
@@ -515,8 +515,8 @@ class SpecStreamProposer:
         return [[] if r in rows else s for r, s in enumerate(sampled_token_ids)]
 
     def _drafts(self, stash, k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, skip=()):
-        """This step's drafts from ``stash`` (none for the rows in ``skip``: they draft from
-        the suffix trees), and why there are none when there are none."""
+        """This step's drafts from ``stash`` (none for the rows in ``skip``: they draft a
+        copy), and why there are none when there are none."""
         no_drafts = [[] for _ in sampled_token_ids]
         if stash is None:
             return no_drafts, self.target.no_stash_reason
@@ -550,7 +550,7 @@ class SpecStreamProposer:
         if skip:
             kept = [(r, i) for r, i in zip(rows, indices) if r not in skip]
             if not kept:
-                return no_drafts, "every request drafted from the suffix trees"
+                return no_drafts, "every request drafted a copy"
             rows, indices = [r for r, _ in kept], [i for _, i in kept]
         if self.tree is not None:
             return self._tree_drafts(stash, k, rows, indices, len(sampled_token_ids))

@@ -277,14 +277,9 @@ TREES_TP_ERROR = (
     "field tree_top_k (draft trees) needs tensor_parallel_size 1, got {tp}; leave it out to "
     "draft chains"
 )
-SUFFIX_WITH_TREES = (
-    "field suffix_drafts drafts chains beside the streams, not trees: leave out tree_top_k "
-    "or suffix_drafts"
-)
-
-LOOKUP_WITH_TREES = (
-    "field prompt_lookup drafts chains beside the streams, not trees: leave out tree_top_k "
-    "or prompt_lookup"
+#: A field of copied drafts (``suffix_drafts``, ``prompt_lookup``) asked for beside trees.
+CHAINS_ONLY = (
+    "field {field} drafts chains beside the streams, not trees: leave out tree_top_k or {field}"
 )
 
 
@@ -344,10 +339,10 @@ def _read_options(vllm_config) -> SpecStreamOptions:
     trees = tree_top_k_from(raw.get("tree_top_k"))
     user_suffix = suffix_drafts_from(raw.get("suffix_drafts"))
     if trees is not None and user_suffix is not None:
-        raise ConfigError(SUFFIX_WITH_TREES)
+        raise ConfigError(CHAINS_ONLY.format(field="suffix_drafts"))
     lookup = prompt_lookup_from(raw.get("prompt_lookup"))
     if trees is not None and lookup:
-        raise ConfigError(LOOKUP_WITH_TREES)
+        raise ConfigError(CHAINS_ONLY.format(field="prompt_lookup"))
     options = dict(
         placement=placement_from(raw.get("placement")),
         stream_dtype=stream_dtype_from(raw.get("stream_dtype")),
