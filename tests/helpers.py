@@ -41,6 +41,7 @@ LONGEST_FIRST = (
     "vllm/test_engine_checkpoints.py",
     "vllm/test_tree_verification.py",
     "vllm/test_specstream_engine.py",
+    "vllm/test_base_families.py",
     "vllm/test_ray_serve.py",
     "vllm/test_lora_serving.py",
     "vllm/test_serve.py",

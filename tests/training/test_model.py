@@ -8,16 +8,27 @@ from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
 from vllm_specstream.training.model import SpecStreamModel
 
 
-def make(model_type="llama", **cfg):
-    lm = tiny_llama(model_type)
+def make(model_type="llama", overrides=None, **cfg):
+    lm = tiny_llama(model_type, **(overrides or {}))
     config = SpecStreamConfig(num_streams=3, num_msa_layers=2, **cfg)
     torch.manual_seed(1)
     return SpecStreamModel(lm, config, stream_init_std=1.0).eval()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
-def test_main_stream_equals_hf(model_type):
-    model = make(model_type)
+#: Every supported family, and Phi-3 with partial rotary (Phi-4-mini's layout).
+FAMILIES = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "phi3": ("phi3", {}),
+    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_main_stream_equals_hf(family):
+    model = make(*FAMILIES[family])
     ids = torch.randint(3, 128, (2, 12))
     with torch.no_grad():
         out = model(ids, anchors=torch.tensor([[3, 11], [0, 5]]))

@@ -16,13 +16,14 @@ def hf_config(**section):
 def test_each_base_family_has_a_class():
     for arch in BASE_CLASSES:
         assert specstream.base_architecture(hf_config(base_architectures=[arch])) == arch
-        assert issubclass(specstream.FAMILIES[arch], specstream.SpecStreamMixin)
+        assert issubclass(specstream.FAMILY_CLASSES[arch], specstream.SpecStreamMixin)
 
 
 @pytest.mark.parametrize("base", [["GPT2LMHeadModel"], [], None])
 def test_unsupported_base_architecture_is_named(base):
-    with pytest.raises(specstream.ConfigError, match="specstream.base_architectures is"):
+    with pytest.raises(specstream.ConfigError, match="specstream.base_architectures is") as e:
         specstream.base_architecture(hf_config(base_architectures=base))
+    assert "Qwen3 (qwen3)" in str(e.value) and "Phi-3 (phi3)" in str(e.value)
 
 
 def test_missing_section_says_how_to_export():

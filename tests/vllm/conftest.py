@@ -8,6 +8,50 @@ from pathlib import Path
 import pytest
 
 
+def make_tiny_base(
+    base_model_dir: Path,
+    out: Path,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    model_type: str = "llama",
+    **overrides,
+) -> Path:
+    """A 4-layer base of ``model_type`` (any supported family; ``overrides``: further config
+    fields) with head_dim 32 and GQA, random weights away from ties and SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        model_type,
+        hidden_size=32 * heads,
+        intermediate_size=64 * heads,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **overrides,
+    )
+    lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if p.dim() == 2 or name.endswith("bias"):  # qwen2 has biased q/k/v
+                p.normal_(0, 0.15)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # qwen3's per-head norms
+                p.uniform_(0.5, 1.5)
+    lm.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(base_model_dir / name, out / name)
+    return out
+
+
 def make_tiny_merged(
     base_model_dir: Path,
     out: Path,
@@ -18,11 +62,10 @@ def make_tiny_merged(
     model_type: str = "llama",
     draft_vocab_size: int = 0,
 ) -> Path:
-    """A 4-layer Llama (or ``model_type``: qwen2) with head_dim 32 and GQA, SmolLM2's
-    tokenizer, random LoRA and streams (and a draft vocabulary of ``draft_vocab_size``
-    random tokens), exported with `specstream export --merge` semantics."""
+    """:func:`make_tiny_base` (in ``OUT-base``) with random LoRA and streams (and a draft
+    vocabulary of ``draft_vocab_size`` random tokens), exported with `specstream export
+    --merge` semantics."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from vllm_specstream.checkpoint.config import SpecStreamConfig
     from vllm_specstream.training.checkpoint import (
@@ -32,30 +75,9 @@ def make_tiny_merged(
         save_adapter,
     )
 
-    base = out.with_name(out.name + "-base")
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(
-        model_type,
-        hidden_size=32 * heads,
-        intermediate_size=64 * heads,
-        num_hidden_layers=4,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=49152,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
+    base = make_tiny_base(
+        base_model_dir, out.with_name(out.name + "-base"), seed, heads, kv_heads, model_type
     )
-    lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if p.dim() == 2 or name.endswith("bias"):  # qwen2 has biased q/k/v
-                p.normal_(0, 0.15)
-    lm.save_pretrained(base)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(base_model_dir / name, base / name)
     model = build_model(
         base,
         SpecStreamConfig(num_streams=num_streams, num_msa_layers=2),
@@ -66,8 +88,8 @@ def make_tiny_merged(
     if draft_vocab_size:
         from vllm_specstream.training.draft_vocab import write_draft_vocab
 
-        ids = torch.randperm(cfg.vocab_size)[:draft_vocab_size].tolist()
-        write_draft_vocab(adapter, ids, cfg.vocab_size)
+        ids = torch.randperm(model.lm.config.vocab_size)[:draft_vocab_size].tolist()
+        write_draft_vocab(adapter, ids, model.lm.config.vocab_size)
     return export_merged(adapter, out, dtype=torch.float32)
 
 

@@ -359,9 +359,9 @@ def _format_99(ckpt: Path, tmp: Path) -> Path:
     return with_section(ckpt, tmp / "format-99", format_version=99)
 
 
-def _qwen3_base(ckpt: Path, tmp: Path) -> Path:
-    # A base family the stream layers do not implement (per-head q/k norm).
-    return with_section(ckpt, tmp / "qwen3-base", base_architectures=["Qwen3ForCausalLM"])
+def _gemma3_base(ckpt: Path, tmp: Path) -> Path:
+    # A base family the stream layers do not implement (sliding-window layers).
+    return with_section(ckpt, tmp / "gemma3-base", base_architectures=["Gemma3ForCausalLM"])
 
 
 def _half_hidden(ckpt: Path, tmp: Path) -> Path:
@@ -401,9 +401,9 @@ BROKEN_SETUPS = {
         "config.json (specstream): format_version is 99, newer than this vllm-specstream",
     ),
     "unsupported-base-architecture": (
-        _qwen3_base,
+        _gemma3_base,
         2,
-        "specstream.base_architectures is ['Qwen3ForCausalLM']; vllm-specstream serves",
+        "specstream.base_architectures is ['Gemma3ForCausalLM']; vllm-specstream serves",
     ),
     "wrong-hidden-size": (
         _half_hidden,

@@ -31,7 +31,8 @@ from vllm_specstream.checkpoint.config import (
     ConfigError,
     SpecStreamConfig,
 )
-from vllm_specstream.checkpoint.merged import ADAPTER_STREAMS_ONLY, BASE_CLASSES
+from vllm_specstream.checkpoint.families import BASE_CLASSES, check_base_config
+from vllm_specstream.checkpoint.merged import ADAPTER_STREAMS_ONLY
 
 
 def base_deployment_overrides(base: str | Path, num_msa_layers: int, num_streams: int) -> dict:
@@ -48,6 +49,7 @@ def base_deployment_overrides(base: str | Path, num_msa_layers: int, num_streams
             f"{config_file}: architectures {architectures}; vllm-specstream serves "
             f"{list(BASE_CLASSES)}"
         )
+    check_base_config(config, str(config_file))
     section = {
         "num_streams": num_streams,
         "num_msa_layers": num_msa_layers,

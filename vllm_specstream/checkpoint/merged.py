@@ -20,9 +20,7 @@ from vllm_specstream.checkpoint.config import (
     ConfigError,
     SpecStreamConfig,
 )
-
-#: Base architectures (``config.json: specstream.base_architectures``) that can be served.
-BASE_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from vllm_specstream.checkpoint.families import BASE_CLASSES, SUPPORTED
 
 #: vLLM's index of a sharded safetensors checkpoint: it loads only the files listed there.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -52,8 +50,8 @@ def base_architecture(hf_config, where: str = "config.json") -> str:
     if not base or base[0] not in BASE_CLASSES:
         raise ConfigError(
             f"{where}: specstream.base_architectures is {base!r}; vllm-specstream serves "
-            f"checkpoints trained on {list(BASE_CLASSES)} bases (the stream layers have no "
-            "per-head query/key norm as in Qwen3 or OLMo2): train the adapter on one of those"
+            f"checkpoints trained on {list(BASE_CLASSES)} bases ({SUPPORTED}): train the "
+            "adapter on one of those"
         )
     return base[0]
 

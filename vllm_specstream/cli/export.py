@@ -18,9 +18,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return 2
     from vllm_specstream.checkpoint.config import ConfigError
 
+    import torch
+
     try:
         out = export_merged(
-            args.adapter_dir, args.out_dir, base=args.base, suffix_drafts=args.suffix_drafts
+            args.adapter_dir,
+            args.out_dir,
+            base=args.base,
+            dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
+            suffix_drafts=args.suffix_drafts,
         )
     except ConfigError as e:
         print(f"specstream export: error: {e}", file=sys.stderr)
@@ -48,6 +54,13 @@ def add_parser(sub) -> None:
     p.add_argument("out_dir")
     p.add_argument("--merge", action="store_true", help="merge LoRA into the weights (required)")
     p.add_argument("--base", help="base model dir (default: the one recorded in the adapter)")
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the weights' dtype (vLLM serves the checkpoint in it by default; float32 "
+        "where outputs must equal an fp32 model's token for token) (default: %(default)s)",
+    )
     p.add_argument(
         "--suffix-drafts",
         metavar="on|off|SCORE",

@@ -104,6 +104,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from vllm_specstream.base_model import prepare_base
 
         base = str(prepare_base())
+    else:
+        base = _fine_tune_base(base, args.out)
     spec = SpecStreamConfig(
         num_streams=args.num_streams,
         num_msa_layers=args.num_msa_layers,
@@ -119,7 +121,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         else LoraSettings(
             rank=args.lora_rank,
             layers=args.lora_layers,
-            target_modules=args.lora_targets.split(","),
+            target_modules=args.lora_targets.split(",") if args.lora_targets else None,
         )
     )
     train_args = TrainArgs(
@@ -146,6 +148,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         train_args.distill = str(_self_distill(train_args, args, adapter=args.init_from))
     train(train_args)
     return 0
+
+
+def _fine_tune_base(base: str, out: str) -> str:
+    """``--base``: a model directory, or a fine-tune given as a PEFT LoRA directory, which
+    is merged into its base once (``OUT/fine-tune``) and trained on as the base."""
+    from vllm_specstream.training.checkpoint import is_peft_adapter, merge_peft_base
+
+    if not is_peft_adapter(base):
+        return base
+    merged = Path(out) / "fine-tune"
+    print(f"--base {base} is a PEFT LoRA: training on it merged into its base ({merged})")
+    return str(merge_peft_base(base, merged))
 
 
 def _stream_lora_rank(args: argparse.Namespace) -> int:
@@ -217,7 +231,12 @@ def add_parser(sub) -> None:
         "and resumes from there when run again with the same --out.",
         formatter_class=defaults,
     )
-    p.add_argument("--base", help="base model dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--base",
+        help="the model to train on: a model directory, or a fine-tune given as a PEFT LoRA "
+        "directory (merged into the base its adapter_config.json names, once, into "
+        "OUT/fine-tune); default: the embedded SmolLM2-135M-Instruct",
+    )
     p.add_argument(
         "--task",
         choices=ALL_TASKS,
@@ -297,7 +316,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--lora-layers", default="all", help="all, msa, or indices like 24,25")
     p.add_argument(
-        "--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+        "--lora-targets",
+        default=None,
+        help="comma-separated projections that get LoRA (default: every projection of the "
+        "base's family: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; Phi-3: "
+        "qkv_proj,o_proj,gate_up_proj,down_proj)",
     )
     add_field_flags(
         p,

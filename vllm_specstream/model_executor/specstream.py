@@ -16,9 +16,10 @@ is on, runs the streams and stashes their top-1 tokens for
   ``k + 1`` times fewer stream rows, one more pass over the top layers.
 
 ``SpecStreamForCausalLM`` (the registered architecture of every merged checkpoint) builds
-the class of the checkpoint's base family from :data:`FAMILIES`: the :class:`SpecStreamMixin`
-over that family's vLLM model. A new family (OPT, Phi) is one more entry there plus, if its
-decoder layers differ from Llama's, a layer adapter in ``stream_forward``.
+the class of the checkpoint's base family from :data:`FAMILY_CLASSES`: the :class:`SpecStreamMixin`
+over that family's vLLM model (:mod:`vllm_specstream.checkpoint.families` lists them). A new
+family is one more entry in both, plus its layer's steps in ``stream_forward`` and
+``training/model.py`` where they differ from Llama's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from collections.abc import Callable
 import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.phi3 import Phi3ForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.platforms import current_platform
 
 from vllm_specstream.checkpoint.config import ConfigError
@@ -607,8 +610,8 @@ class SpecStreamMixin:
         """Logits of stream rows on their own: the prepacked LM head if there is one, else
         vLLM's logits processor without its LoRA wrapper (whose adapter mapping has one entry
         per sampled main row). Any positive logit scale or soft cap keeps the argmax of the
-        plain projection (the confidence rule reads its softmax: exact for Llama/Qwen2,
-        which have neither)."""
+        plain projection (the confidence rule reads its softmax: exact for the supported
+        families, which have neither)."""
         head = self._runner.weights.lm_head
         if head is not None:
             return head(rows)
@@ -677,11 +680,22 @@ class SpecStreamQwen2ForCausalLM(SpecStreamMixin, Qwen2ForCausalLM):
     """Qwen2 bases (biased q/k/v projections)."""
 
 
+class SpecStreamQwen3ForCausalLM(SpecStreamMixin, Qwen3ForCausalLM):
+    """Qwen3 dense bases (per-head query/key norms)."""
+
+
+class SpecStreamPhi3ForCausalLM(SpecStreamMixin, Phi3ForCausalLM):
+    """Phi-3 bases (vLLM's Llama layers; fused ``qkv_proj``/``gate_up_proj`` in the
+    checkpoint and its LoRA adapters)."""
+
+
 #: vLLM model class per base architecture.
-FAMILIES: dict[str, type] = {
+FAMILY_CLASSES: dict[str, type] = {
     "LlamaForCausalLM": SpecStreamLlamaForCausalLM,
     "MistralForCausalLM": SpecStreamLlamaForCausalLM,
     "Qwen2ForCausalLM": SpecStreamQwen2ForCausalLM,
+    "Qwen3ForCausalLM": SpecStreamQwen3ForCausalLM,
+    "Phi3ForCausalLM": SpecStreamPhi3ForCausalLM,
 }
 
 
@@ -690,7 +704,7 @@ class SpecStreamForCausalLM(SpecStreamLlamaForCausalLM):
     checkpoint's base family (a Llama-family base gets this class itself)."""
 
     def __new__(cls, *, vllm_config: VllmConfig, prefix: str = ""):
-        family = FAMILIES[base_architecture(vllm_config.model_config.hf_config)]
+        family = FAMILY_CLASSES[base_architecture(vllm_config.model_config.hf_config)]
         if cls is SpecStreamForCausalLM and family is not SpecStreamLlamaForCausalLM:
             return family(vllm_config=vllm_config, prefix=prefix)
         return super().__new__(cls)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
+from vllm_specstream.checkpoint.config import SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.lora.adapter_streams import AdapterStreams
 from vllm_specstream.model_executor.lora.lora_streams import StreamLoRA, first_lora_module
@@ -143,11 +143,6 @@ class StreamRunner:
         layers = model.model.layers
         self.first_msa_layer = len(layers) - config.num_msa_layers
         self.layers = list(layers)[self.first_msa_layer :]
-        if any(getattr(layer.self_attn, "qk_norm", False) for layer in self.layers):
-            raise ConfigError(
-                "the base model normalises queries/keys per head (qk_norm); the stream "
-                "layers do not implement it yet"
-            )
         # Under vLLM multi-LoRA, each stream row gets its own request's adapter delta.
         lora_module = first_lora_module(self.layers)
         self.lora = (
@@ -251,9 +246,14 @@ class StreamRunner:
 
     @staticmethod
     def rotated_qkv(layer, qkv: Tensor, flat_pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """A layer's ``qkv_proj`` output for the stream rows, split, with rotary applied."""
+        """A layer's ``qkv_proj`` output for the stream rows, split, with the per-head q/k
+        norms of a layer that has them (Qwen3) and rotary applied, as vLLM's attention."""
         attn = layer.self_attn
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        if getattr(attn, "q_norm", None) is not None:
+            d = attn.head_dim
+            q = attn.q_norm(q.reshape(-1, q.shape[-1] // d, d)).view(q.shape)
+            k = attn.k_norm(k.reshape(-1, k.shape[-1] // d, d)).view(k.shape)
         q, k = attn.rotary_emb(flat_pos, q, k)
         return q, k, v
 

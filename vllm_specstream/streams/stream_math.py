@@ -57,8 +57,14 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Neox-style rotary embedding (Llama family); ``cos``/``sin`` broadcast to ``x``."""
-    return x * cos + rotate_half(x) * sin
+    """Neox-style rotary embedding; ``cos``/``sin`` broadcast to ``x``. Where they are
+    narrower than the head (partial rotary, e.g. Phi-4-mini's 0.75), only the first dims
+    rotate and the rest pass unchanged, as in Transformers and vLLM."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :d], x[..., d:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 def stream_self_mask(num_streams: int, device: torch.device | None = None) -> Tensor:

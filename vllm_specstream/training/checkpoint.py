@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,18 +52,9 @@ class LoraSettings:
     """LoRA rank r."""
     alpha: float | None = None
     """LoRA alpha; None means 2 * rank."""
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-    )
-    """Linear modules of each decoder layer that get LoRA."""
+    target_modules: list[str] | None = None
+    """Linear modules of each decoder layer that get LoRA; None: every projection of the
+    base's family (:attr:`~vllm_specstream.checkpoint.families.BaseFamily.lora_targets`)."""
     layers: str = "all"
     """"all" decoder layers, "msa" (the top num_msa_layers only: cheaper backward), or a
     comma-separated list of layer indices."""
@@ -103,6 +94,13 @@ def load_base_lm(base: str | Path, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
 
 
+def lora_targets(lora: LoraSettings, hf_config) -> list[str]:
+    """The modules that get LoRA: as set, else every projection of the base's family."""
+    if lora.target_modules is not None:
+        return list(lora.target_modules)
+    return list(check_supported(hf_config).lora_targets)
+
+
 def build_model(
     base: str | Path,
     config: SpecStreamConfig,
@@ -118,6 +116,8 @@ def build_model(
         from peft import LoraConfig, get_peft_model
 
         n = lm.config.num_hidden_layers
+        # Recorded as resolved (train_args.json, chain checks): the modules that trained.
+        lora.target_modules = lora_targets(lora, lm.config)
         peft_config = LoraConfig(
             r=lora.rank,
             lora_alpha=lora.alpha or 2 * lora.rank,
@@ -262,6 +262,44 @@ def export_merged(
         data["weight_map"].update({name: STREAM_FILE for name in tensors})
         index.write_text(json.dumps(data, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return out
+
+
+def is_peft_adapter(path: str | Path) -> bool:
+    """Whether ``path`` is a PEFT LoRA directory (a fine-tune given as base + LoRA)."""
+    p = Path(path)
+    return (p / PEFT_CONFIG_FILE).is_file() and not (p / "config.json").is_file()
+
+
+def merge_peft_base(peft_dir: str | Path, out_dir: str | Path) -> Path:
+    """A user's fine-tune given as a PEFT LoRA: its LoRA merged into the base it names
+    (``adapter_config.json: base_model_name_or_path``, a local directory) in fp32, written
+    to ``out_dir`` with the tokenizer (the LoRA directory's, else the base's). Reused when
+    ``out_dir`` already holds it."""
+    from peft import PeftModel
+
+    peft_dir, out = Path(peft_dir), Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    config_file = peft_dir / PEFT_CONFIG_FILE
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{config_file}: unreadable ({e})") from e
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ConfigError(
+            f"{config_file}: base_model_name_or_path is {base!r}, not a local model directory; "
+            "set it to the path of the base model the LoRA was trained on"
+        )
+    lm = PeftModel.from_pretrained(load_base_lm(base), str(peft_dir)).merge_and_unload()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    lm.save_pretrained(str(tmp), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        source = peft_dir / name if (peft_dir / name).is_file() else Path(base) / name
+        if source.is_file():
+            shutil.copy2(source, tmp / name)
     tmp.replace(out)
     return out
 

@@ -1,4 +1,4 @@
-"""Multi-stream wrapper over a Hugging Face Llama-family causal LM (docs/method.md).
+"""Multi-stream wrapper over a Hugging Face causal LM of a supported family (docs/method.md).
 
 One forward computes the main stream (the unchanged decoder) for every position and the
 ``num_streams`` speculative streams at chosen anchor positions. The streams enter at layer
@@ -8,8 +8,9 @@ main tokens; in attention they see the main keys/values at positions ``<= t`` an
 
 The decoder layers are driven here from their submodules (norms, projections, MLP) rather
 than through the layers' ``forward``, so the main and stream paths share weights exactly and
-the per-layer main keys/values are at hand for the streams. This holds for the Llama family
-(Llama, Mistral, Qwen2, SmolLM), whose layers have the same structure.
+the per-layer main keys/values are at hand for the streams. The families of
+:mod:`vllm_specstream.checkpoint.families` differ only in whether q/k/v and gate/up are one
+fused projection (Phi-3) and whether queries and keys are normalised per head (Qwen3).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from vllm_specstream.checkpoint.config import (
     SpecStreamConfig,
     stream_lora_name,
 )
+from vllm_specstream.checkpoint.families import BaseFamily, family_of
 from vllm_specstream.streams.stream_layer import run_layer, stream_layer
 from vllm_specstream.streams.stream_math import (
     apply_rope,
@@ -37,9 +39,6 @@ from vllm_specstream.streams.stream_math import (
 )
 
 Tensor = torch.Tensor
-
-#: ``config.model_type`` values whose decoder layers this wrapper drives.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 KVCache = list[tuple[Tensor, Tensor]]
 
@@ -95,13 +94,9 @@ def unwrap_causal_lm(lm: nn.Module) -> nn.Module:
     return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
 
 
-def check_supported(hf_config, where: str = "base model") -> None:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"{where}: model_type {model_type!r} is not supported; supported: "
-            f"{list(SUPPORTED_MODEL_TYPES)} (Llama, Mistral, Qwen2, SmolLM checkpoints)"
-        )
+def check_supported(hf_config, where: str = "base model") -> BaseFamily:
+    """The base's family; a clear error for any other (naming the supported ones)."""
+    return family_of(hf_config, where)
 
 
 def initial_stream_tensor(
@@ -132,23 +127,43 @@ def split_heads(
     )
 
 
+def qk_normed(attn: nn.Module, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries and keys ``[..., heads, D]`` after the layer's per-head RMS norms (Qwen3's
+    ``q_norm``/``k_norm``, before rotary); unchanged for a layer without them."""
+    if getattr(attn, "q_norm", None) is None:
+        return q, k
+    return attn.q_norm(q), attn.k_norm(k)
+
+
 @dataclass
 class HFProjections:
-    """The four projections of an HF decoder layer (:class:`StreamProjections`): the
-    separate q/k/v and gate/up modules (possibly PEFT LoRA wrappers)."""
+    """The four projections of an HF decoder layer (:class:`StreamProjections`): separate
+    q/k/v and gate/up modules, or one fused module each (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``), possibly PEFT LoRA wrappers."""
 
     layer: nn.Module
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         attn = self.layer.self_attn
-        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        fused = getattr(attn, "qkv_proj", None)
+        if fused is None:
+            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        cfg = attn.config
+        q_size = cfg.num_attention_heads * attn.head_dim
+        kv_size = cfg.num_key_value_heads * attn.head_dim
+        q, k, v = fused(x).split([q_size, kv_size, kv_size], dim=-1)
+        return q, k, v
 
     def o(self, x: Tensor) -> Tensor:
         return self.layer.self_attn.o_proj(x)
 
     def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
         mlp = self.layer.mlp
-        return mlp.gate_proj(x), mlp.up_proj(x)
+        fused = getattr(mlp, "gate_up_proj", None)
+        if fused is None:
+            return mlp.gate_proj(x), mlp.up_proj(x)
+        gate, up = fused(x).chunk(2, dim=-1)
+        return gate, up
 
     def down(self, x: Tensor) -> Tensor:
         return self.layer.mlp.down_proj(x)
@@ -261,6 +276,7 @@ class HFStreamOps:
     def rotate(self, qkv: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         d = self.layer.self_attn.head_dim
         q, k, v = split_heads(qkv, self.num_heads, self.num_kv_heads, d)
+        q, k = qk_normed(self.layer.self_attn, q, k)
         perm = (0, 3, 1, 2, 4)  # [B, A, G, *, D] -> [B, *, A, G, D]
         cos, sin = self.cos[:, None], self.sin[:, None]
         q = apply_rope(q.permute(perm), cos, sin)
@@ -307,7 +323,9 @@ class HFStreamOps:
 
     def act(self, gate_up: tuple[Tensor, Tensor]) -> Tensor:
         gate, up = gate_up
-        return self.layer.mlp.act_fn(gate) * up
+        mlp = self.layer.mlp
+        act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it so
+        return act(gate) * up
 
 
 class SpecStreamModel(nn.Module):
@@ -317,7 +335,7 @@ class SpecStreamModel(nn.Module):
         super().__init__()
         causal_lm = unwrap_causal_lm(lm)
         hf_config = causal_lm.config
-        check_supported(hf_config)
+        self.family = check_supported(hf_config)
         config.validate(hf_config.num_hidden_layers)
         self.lm = lm
         self.config = config
@@ -405,6 +423,7 @@ class SpecStreamModel(nn.Module):
         else:
             qkv = SubsetProjections(HFProjections(layer), qkv_rows).qkv(x)
         q, k, v = split_heads(qkv, n_heads, n_kv, d)  # [B, T, *, D]
+        q, k = qk_normed(attn, q, k)
         q = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None])
         k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None])
         v = v.transpose(1, 2)

@@ -158,7 +158,7 @@ Trained with vllm-specstream (`--objective {args["objective"]}`).
 | stream_position | {spec["stream_position"]} |
 | init adapter rank (eta) | {spec.get("init_rank", 0)} |
 | loss weights (a0, a_j) | {spec["loss"]["a0"]}, {spec["loss"]["a_j"]} |
-| LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules", []))} |
+| LoRA | rank {lora.get("rank")}, layers `{lora.get("layers")}`, {", ".join(lora.get("target_modules") or ["every projection"])} |
 | steps x batch x accumulation | {args["steps"]} x {args["batch_size"]} x {args["grad_accum"]} |
 | learning rates | {_learning_rates(args)} |
 {_serving_default(adapter_dir)}| wall time | {wall_text} of training (sum over resumed runs) on {args.get("trained_on") or describe_machine()} |

@@ -150,7 +150,8 @@ class TrainArgs:
     save_every: int = 50
     """Steps between checkpoints in ``out/checkpoint`` (a run started again resumes there)."""
     eval_every: int = 100
-    """Steps between evaluations on the held-out examples (and at the last step)."""
+    """Steps between evaluations on the held-out examples (and at the last step; 0: at the
+    last step only)."""
     seed: int = 0
     """Seed of the data order and the initialisation."""
     max_minutes: float | None = None
@@ -884,7 +885,8 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
                 **job.log_extra(),
                 "elapsed_s": round(time.monotonic() - started, 1),
             }
-            if eval_set and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            periodic = args.eval_every > 0 and (step + 1) % args.eval_every == 0
+            if eval_set and (periodic or step + 1 == args.steps):
                 record.update(evaluate(job, eval_set, args, autocast))
                 logger.info(
                     "step %d: %s",
