@@ -16,9 +16,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from vllm_specstream.checkpoint.config import ConfigError
-
     import torch
+
+    from vllm_specstream.checkpoint.config import ConfigError
 
     try:
         out = export_merged(
