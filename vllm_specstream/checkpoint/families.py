@@ -71,7 +71,7 @@ def check_base_config(hf_config: Any, where: str = "base model") -> None:
     vLLM and Transformers do, naming the setting."""
     rope = config_value(hf_config, "rope_scaling") or config_value(hf_config, "rope_parameters")
     rope_type = (rope or {}).get("rope_type") or (rope or {}).get("type")
-    if rope_type == "longrope":
+    if rope_type in ("longrope", "su"):  # "su": the name in early Phi-3 configs
         # Transformers switches between the short and long factors by the length of the
         # sequence, vLLM by the served max_model_len: the streams' rotary would depend on it.
         raise ConfigError(
