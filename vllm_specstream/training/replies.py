@@ -17,6 +17,7 @@ Training reads the file without importing vLLM (:func:`~vllm_specstream.training
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,7 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
         settings.max_tokens,
         path,
     )
+    started = time.monotonic()
     llm = LLM(model=base, **cpu_engine_kwargs(dtype=settings.dtype, seed=0))
     params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,4 +101,9 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
                 f.write(json.dumps({"messages": messages, "completion": reply}) + "\n")
             f.flush()
     del llm
+    logger.info(
+        "Self-distillation: %d replies written in %.1f min",
+        len(todo),
+        (time.monotonic() - started) / 60,
+    )
     return path
