@@ -127,6 +127,11 @@ if has two-stage; then
         $BIN/specstream export "$R-two-stage" "$R-two-stage-merged" --merge
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-two-stage-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-two-stage-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-two-stage-eval.json"
+    # Its outputs are the ntp baseline's (frozen): the eval's task metric is the baseline's.
+    [ -s "$R-two-stage-eval.json" ] && $BIN/python -m vllm_specstream.training.model_card \
+        "$R-two-stage" --eval "$R-two-stage-eval.json" \
+        --note "Second stage of the two-stage objective: streams (and a LoRA on the stream rows) on the next-token baseline $R-ntp (merged, frozen), learning its own greedy replies; its outputs are the baseline's. The budget also counts the first stage's training (its card) and the replies (logged by the run)." \
+        --command "OBJECTIVES=\"ntp two-stage\" bash scripts/real_task.sh $TASK $DATA $DEV RUNS $STEPS"
 fi
 
 if has self-distill; then
