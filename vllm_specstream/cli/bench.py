@@ -13,6 +13,9 @@ from vllm_specstream.cli.common import (
     TASK_HELP as _TASK_HELP,
 )
 from vllm_specstream.cli.common import (
+    DefaultsHelpFormatter,
+)
+from vllm_specstream.cli.common import (
     add_split_args as _add_split_args,
 )
 
@@ -71,7 +74,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 def add_parser(sub) -> None:
     from vllm_specstream.training.tasks import ALL_TASKS
 
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = DefaultsHelpFormatter
 
     p = sub.add_parser(
         "bench",

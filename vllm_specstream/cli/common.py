@@ -16,6 +16,16 @@ DATA_HELP = (
 )
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends with the flag's default where it has one (not "(default: None)": a
+    flag without a default says in its help what happens without it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def add_split_args(p: argparse.ArgumentParser, choose_split: bool, val_note: str = "") -> None:
     """--val-fraction and --split-seed (and --split): the same values in train, eval, bench
     and data split cut the same by-group split of a --data file."""

@@ -9,6 +9,9 @@ from vllm_specstream.cli.common import (
     DATA_HELP as _DATA_HELP,
 )
 from vllm_specstream.cli.common import (
+    DefaultsHelpFormatter,
+)
+from vllm_specstream.cli.common import (
     add_split_args as _add_split_args,
 )
 
@@ -27,7 +30,7 @@ def _cmd_data_split(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = DefaultsHelpFormatter
 
     p = sub.add_parser("data", help="task data files: split", description="Task data files.")
     data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)

@@ -9,6 +9,9 @@ from vllm_specstream.cli.common import (
     DATA_HELP as _DATA_HELP,
 )
 from vllm_specstream.cli.common import (
+    DefaultsHelpFormatter,
+)
+from vllm_specstream.cli.common import (
     add_split_args as _add_split_args,
 )
 
@@ -40,7 +43,7 @@ def _cmd_draft_vocab(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = DefaultsHelpFormatter
 
     from vllm_specstream.checkpoint.draft_vocab import DEFAULT_DRAFT_VOCAB_SIZE
 

@@ -14,6 +14,9 @@ from vllm_specstream.cli.common import (
     TASK_HELP as _TASK_HELP,
 )
 from vllm_specstream.cli.common import (
+    DefaultsHelpFormatter,
+)
+from vllm_specstream.cli.common import (
     add_split_args as _add_split_args,
 )
 
@@ -68,7 +71,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     from vllm_specstream.training.tasks import ALL_TASKS
 
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = DefaultsHelpFormatter
 
     p = sub.add_parser(
         "eval",

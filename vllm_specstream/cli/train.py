@@ -13,6 +13,7 @@ from vllm_specstream.cli.common import (
     TASK_HELP as _TASK_HELP,
 )
 from vllm_specstream.cli.common import (
+    DefaultsHelpFormatter,
     add_field_flags,
 )
 from vllm_specstream.cli.common import (
@@ -221,7 +222,7 @@ def add_parser(sub) -> None:
     from vllm_specstream.training.tasks import ALL_TASKS
     from vllm_specstream.training.train import TrainArgs
 
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = DefaultsHelpFormatter
 
     p = sub.add_parser(
         "train",
