@@ -335,7 +335,7 @@ class SpecStreamModel(nn.Module):
         super().__init__()
         causal_lm = unwrap_causal_lm(lm)
         hf_config = causal_lm.config
-        self.family = check_supported(hf_config)
+        check_supported(hf_config)
         config.validate(hf_config.num_hidden_layers)
         self.lm = lm
         self.config = config
