@@ -217,3 +217,36 @@ def test_two_stage_streams_on_a_merged_fine_tune_learn_as_on_its_adapter(base_di
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
     for name, g in want_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_two_stage_adapter_exports_as_its_second_stage_on_the_first_merged(base_dir, tmp_path):
+    """The two stages as one adapter (the first stage's LoRA, the second's streams) export to
+    the same checkpoint as the second stage exported onto the first stage merged."""
+    from vllm_specstream.training.checkpoint import LoraSettings, two_stage_adapter
+
+    torch.manual_seed(0)
+    ntp = build_model(base_dir, SpecStreamConfig(num_streams=3, num_msa_layers=2), LoraSettings(4))
+    with torch.no_grad():
+        for name, p in ntp.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at zero: the LoRA would change nothing
+                p.normal_(0, 0.2)
+    first = save_adapter(ntp, tmp_path / "ntp")
+    first_merged = export_merged(first, tmp_path / "ntp-merged", dtype=torch.float32)
+    second = save_adapter(streams_only(first_merged), tmp_path / "streams")
+    combined = two_stage_adapter(first, second, tmp_path / "two-stage")
+    assert (combined / "first_stage").is_dir()
+    a = export_merged(combined, tmp_path / "a", dtype=torch.float32)
+    b = export_merged(second, tmp_path / "b", dtype=torch.float32)
+    for name in ("model.safetensors", STREAM_FILE):
+        ta, tb = load_file(str(a / name)), load_file(str(b / name))
+        assert ta.keys() == tb.keys()
+        assert all(torch.equal(ta[k], tb[k]) for k in ta), name
+    base = load_file(str(tmp_path / "ntp-merged" / "model.safetensors"))
+    assert any(
+        not torch.equal(base[k], t)
+        for k, t in load_file(str(base_dir / "model.safetensors")).items()
+    )
+    sections = [json.loads((d / "config.json").read_text())["specstream"] for d in (a, b)]
+    assert sections[0].pop("base_model") == str(base_dir)  # the first stage's base
+    sections[1].pop("base_model")
+    assert sections[0] == sections[1]

@@ -199,8 +199,9 @@ def load_adapter(
         str(stream_file),
         lm.config,
     )
-    # A streams-only adapter's PEFT files are vLLM's null LoRA: its main stream is the base.
-    if (adapter_dir / PEFT_CONFIG_FILE).is_file() and config.stream_lora_rank == 0:
+    # A streams-only adapter's PEFT files are vLLM's null LoRA (adding zero); a two-stage
+    # adapter's are the first stage's LoRA.
+    if (adapter_dir / PEFT_CONFIG_FILE).is_file():
         from peft import PeftModel
 
         lm = PeftModel.from_pretrained(lm, str(adapter_dir))
@@ -301,6 +302,35 @@ def merge_peft_base(peft_dir: str | Path, out_dir: str | Path) -> Path:
         if source.is_file():
             shutil.copy2(source, tmp / name)
     tmp.replace(out)
+    return out
+
+
+#: The training records a run writes beside its adapter files.
+RUN_RECORDS = ("train_args.json", "train_state.json", "train_log.jsonl")
+
+
+def two_stage_adapter(first: str | Path, second: str | Path, out_dir: str | Path) -> Path:
+    """The two stages of the two-stage objective as one adapter of the first stage's base:
+    the LoRA of ``first`` (a next-token run) and the streams of ``second`` (a streams-only
+    run on ``first`` merged). Exported, it is ``second`` exported onto ``first`` merged (in
+    the export's dtype); the second stage's records come along, the first stage's go into
+    ``OUT/first_stage/``."""
+    first, second, out = Path(first), Path(second), Path(out_dir)
+    streams = SpecStreamConfig.load(second)
+    for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, CONFIG_FILE):
+        if not (first / name).is_file():
+            raise ConfigError(f"{first}: no {name}; the first stage is a next-token LoRA run")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE):
+        shutil.copy2(first / name, out / name)
+    shutil.copy2(second / STREAM_FILE, out / STREAM_FILE)
+    dataclasses.replace(streams, base_model=SpecStreamConfig.load(first).base_model).save(out)
+    (out / "first_stage").mkdir(exist_ok=True)
+    for name in RUN_RECORDS:
+        if (second / name).is_file():
+            shutil.copy2(second / name, out / name)
+        if (first / name).is_file():
+            shutil.copy2(first / name, out / "first_stage" / name)
     return out
 
 
