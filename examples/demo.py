@@ -18,6 +18,7 @@ import gc
 import hashlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,7 +73,6 @@ PROMPTS = {
 def merged_checkpoint(adapter: Path, screen) -> Path:
     """``adapter`` merged onto the embedded model, cached by the adapter's content."""
     from vllm_specstream.paths import specstream_home
-    from vllm_specstream.training.checkpoint import export_merged
 
     digest = hashlib.sha256()
     for name in ("adapter_model.safetensors", "specstream.safetensors", "specstream_config.json"):
@@ -80,10 +80,11 @@ def merged_checkpoint(adapter: Path, screen) -> Path:
     out = specstream_home() / "demo" / f"{adapter.name}-{digest.hexdigest()[:12]}"
     if not (out / "config.json").is_file():  # export writes to a .partial dir, renamed last
         screen.write(f"  merging {adapter} onto the embedded model -> {out}\n")
-        import torch
-
+        # In a process of its own: vLLM's CPU engine reserves 92% of the machine's memory by
+        # default, which a front-end still holding the merged model would not leave it.
         # fp32 weights: served in fp32 by default, so outputs compare token for token.
-        export_merged(adapter, out, dtype=torch.float32)
+        export = [sys.executable, "-m", "vllm_specstream.cli", "export", str(adapter), str(out)]
+        subprocess.run([*export, "--merge", "--dtype", "float32"], check=True)
     return out
 
 

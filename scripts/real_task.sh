@@ -15,7 +15,8 @@
 # left off (`--continue-from`). OBJECTIVES="specstream ntp" limits the runs;
 # OBJECTIVES=two-stage trains streams alone on the ntp baseline merged (frozen), on its own
 # greedy replies (written with vLLM, cached in the run directory): the second stage of the
-# two-stage objective, whose first stage is the ntp run.
+# two-stage objective, whose first stage is the ntp run; both stages become one adapter
+# (RUNS/TASK-two-stage-adapter), merged, evaluated and given a model card.
 # OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
 # OBJECTIVES=self-distill continues the trained specstream adapter on its own greedy replies
 # (written with vLLM by the adapter merged; SD_STEPS steps, default 200, small LoRA learning
@@ -97,9 +98,13 @@ fi
 if has ntp; then
     "${RUN[@]}" $BIN/specstream train --out "$R-ntp" --objective ntp "${COMMON[@]}" $(chain ntp)
     stop_unless_finished "$R-ntp"
-    [ -f "$R-ntp-merged/config.json" ] || $BIN/specstream export "$R-ntp" "$R-ntp-merged" --merge
-    # The baseline has no trained streams: only its task metric matters (chain only).
-    [ "$EVAL_HERE" = 0 ] || [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
+    # fp32: the two-stage objective's second stage trains on it, and its combined adapter
+    # exports the same weights
+    [ -f "$R-ntp-merged/config.json" ] ||
+        $BIN/specstream export "$R-ntp" "$R-ntp-merged" --merge --dtype float32
+    # The baseline has no trained streams: only its task metric matters (chain only). With
+    # the two-stage run, whose outputs are the baseline's, that run's evaluation gives it.
+    has two-stage || [ "$EVAL_HERE" = 0 ] || [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-ntp-merged" "${EVAL[@]}" --tree-top-k 0 | tail -n 1 > "$R-ntp-eval.json"
 fi
 if has medusa; then
@@ -117,20 +122,26 @@ fi
 
 # The two-stage objective's second stage: streams (and a stream-row LoRA) on the ntp baseline
 # merged and frozen, learning its own greedy replies; served, its outputs are the baseline's.
+# Both stages then make one adapter of the task's base (RUNS/TASK-two-stage-adapter: the ntp
+# LoRA and these streams), which is what is merged, evaluated and served.
 if has two-stage; then
     [ -f "$R-ntp-merged/config.json" ] || { echo "two-stage needs the ntp run first" >&2; exit 2; }
     "${RUN[@]}" $BIN/specstream train --out "$R-two-stage" --objective streams-only \
         --base "$R-ntp-merged" "${COMMON[@]}" --init-rank 32 --stream-init-scale 0.5 \
         --stream-lr 2e-2 $(chain two-stage)
     stop_unless_finished "$R-two-stage"
+    A="$R-two-stage-adapter"
+    [ -f "$A/specstream_config.json" ] || $BIN/python -c \
+        "import sys; from vllm_specstream.training.checkpoint import two_stage_adapter; two_stage_adapter(*sys.argv[1:])" \
+        "$R-ntp" "$R-two-stage" "$A"
     [ -f "$R-two-stage-merged/config.json" ] ||
-        $BIN/specstream export "$R-two-stage" "$R-two-stage-merged" --merge
+        $BIN/specstream export "$A" "$R-two-stage-merged" --merge --dtype float32
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-two-stage-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
-        --checkpoint "$R-two-stage-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-two-stage-eval.json"
-    # Its outputs are the ntp baseline's (frozen): the eval's task metric is the baseline's.
+        --checkpoint "$R-two-stage-merged" "${EVAL[@]}" --tree-top-k 0 | tail -n 1 > "$R-two-stage-eval.json"
+    # Its outputs are the ntp baseline's: the eval's task metric is the baseline's.
     [ -s "$R-two-stage-eval.json" ] && $BIN/python -m vllm_specstream.training.model_card \
-        "$R-two-stage" --eval "$R-two-stage-eval.json" \
-        --note "Second stage of the two-stage objective: streams (and a LoRA on the stream rows) on the next-token baseline $R-ntp (merged, frozen), learning its own greedy replies; its outputs are the baseline's. The budget also counts the first stage's training (its card) and the replies (logged by the run)." \
+        "$A" --eval "$R-two-stage-eval.json" \
+        --note "Two-stage objective: the next-token LoRA (first stage, records in first_stage/), then streams and a LoRA on the stream rows trained on that model merged and frozen, learning its own greedy replies (second stage, the records here); outputs are the next-token model's. The budget also counts the replies (logged by the run)." \
         --command "OBJECTIVES=\"ntp two-stage\" bash scripts/real_task.sh $TASK $DATA $DEV RUNS $STEPS"
 fi
 
