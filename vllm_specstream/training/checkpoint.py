@@ -32,7 +32,8 @@ from vllm_specstream.checkpoint.config import (
     check_stream_tensors,
     projection_dims,
 )
-from vllm_specstream.training.model import SpecStreamModel, check_supported
+from vllm_specstream.checkpoint.families import family_of
+from vllm_specstream.training.model import SpecStreamModel
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -86,11 +87,20 @@ def resolve_base(base: str | Path | None, where: Path) -> str:
     return str(base)
 
 
+def copy_tokenizer(dest: Path, *sources: Path) -> None:
+    """Copy each of :data:`TOKENIZER_FILES` into ``dest`` from the first of ``sources``
+    that holds it."""
+    for name in TOKENIZER_FILES:
+        source = next((d / name for d in sources if (d / name).is_file()), None)
+        if source is not None:
+            shutil.copy2(source, dest / name)
+
+
 def load_base_lm(base: str | Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(base)
-    check_supported(hf_config, where=f"{base}/config.json")
+    family_of(hf_config, where=f"{base}/config.json")
     return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
 
 
@@ -98,7 +108,7 @@ def lora_targets(lora: LoraSettings, hf_config) -> list[str]:
     """The modules that get LoRA: as set, else every projection of the base's family."""
     if lora.target_modules is not None:
         return list(lora.target_modules)
-    return list(check_supported(hf_config).lora_targets)
+    return list(family_of(hf_config).lora_targets)
 
 
 def build_model(
@@ -241,9 +251,7 @@ def export_merged(
     lm = lm.to(dtype)
     lm.config.dtype = dtype
     lm.save_pretrained(str(tmp), safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (base_dir / name).is_file():
-            shutil.copy2(base_dir / name, tmp / name)
+    copy_tokenizer(tmp, base_dir)
     tensors = {
         STREAM_PREFIX + k: v.detach().to(dtype).contiguous()
         for k, v in model.stream_parameters().items()
@@ -297,10 +305,7 @@ def merge_peft_base(peft_dir: str | Path, out_dir: str | Path) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     lm.save_pretrained(str(tmp), safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        source = peft_dir / name if (peft_dir / name).is_file() else Path(base) / name
-        if source.is_file():
-            shutil.copy2(source, tmp / name)
+    copy_tokenizer(tmp, peft_dir, Path(base))
     tmp.replace(out)
     return out
 

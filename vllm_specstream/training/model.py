@@ -29,7 +29,7 @@ from vllm_specstream.checkpoint.config import (
     SpecStreamConfig,
     stream_lora_name,
 )
-from vllm_specstream.checkpoint.families import BaseFamily, family_of
+from vllm_specstream.checkpoint.families import family_of
 from vllm_specstream.streams.stream_layer import run_layer, stream_layer
 from vllm_specstream.streams.stream_math import (
     apply_rope,
@@ -92,11 +92,6 @@ class StreamOutput:
 def unwrap_causal_lm(lm: nn.Module) -> nn.Module:
     """The HF ``*ForCausalLM`` inside a PEFT wrapper (or ``lm`` itself)."""
     return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-
-
-def check_supported(hf_config, where: str = "base model") -> BaseFamily:
-    """The base's family; a clear error for any other (naming the supported ones)."""
-    return family_of(hf_config, where)
 
 
 def initial_stream_tensor(
@@ -335,7 +330,7 @@ class SpecStreamModel(nn.Module):
         super().__init__()
         causal_lm = unwrap_causal_lm(lm)
         hf_config = causal_lm.config
-        check_supported(hf_config)
+        family_of(hf_config)  # a clear error for an unsupported base
         config.validate(hf_config.num_hidden_layers)
         self.lm = lm
         self.config = config
