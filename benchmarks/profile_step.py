@@ -114,6 +114,11 @@ def main() -> None:
     ap.add_argument("--json", help="write the medians per batch size here")
     ap.add_argument("--placement", help="window or accepted (default: the proposer's)")
     ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="vLLM's default compiled decoder (as `LLM(model=...)` runs it) instead of eager",
+    )
+    ap.add_argument(
         "--vllm-method",
         choices=("ngram", "suffix"),
         help="with --k: vLLM's own speculative method instead of specstream (its step beside "
@@ -199,6 +204,8 @@ def main() -> None:
         args.ckpt, args.task, args.data, args.split, 1 + args.n * max(sizes)
     )
     kw = cpu_engine_kwargs(dtype=args.dtype)
+    if args.compile:
+        kw.pop("enforce_eager")
     loras = []
     if args.lora:
         from vllm.lora.request import LoRARequest

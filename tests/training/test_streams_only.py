@@ -222,7 +222,11 @@ def test_two_stage_streams_on_a_merged_fine_tune_learn_as_on_its_adapter(base_di
 def test_two_stage_adapter_exports_as_its_second_stage_on_the_first_merged(base_dir, tmp_path):
     """The two stages as one adapter (the first stage's LoRA, the second's streams) export to
     the same checkpoint as the second stage exported onto the first stage merged."""
-    from vllm_specstream.training.checkpoint import LoraSettings, two_stage_adapter
+    from vllm_specstream.training.checkpoint import (
+        PEFT_WEIGHTS_FILE,
+        LoraSettings,
+        two_stage_adapter,
+    )
 
     torch.manual_seed(0)
     ntp = build_model(base_dir, SpecStreamConfig(num_streams=3, num_msa_layers=2), LoraSettings(4))
@@ -250,3 +254,14 @@ def test_two_stage_adapter_exports_as_its_second_stage_on_the_first_merged(base_
     assert sections[0].pop("base_model") == str(base_dir)  # the first stage's base
     sections[1].pop("base_model")
     assert sections[0] == sections[1]
+    # Stored in bf16 (the committed task adapters): half the bytes, the same model but for
+    # bf16's rounding of the LoRA and stream tensors.
+    half = two_stage_adapter(first, second, tmp_path / "bf16", dtype=torch.bfloat16)
+    for name in (PEFT_WEIGHTS_FILE, STREAM_FILE):
+        size, full = ((d / name).stat().st_size for d in (half, combined))
+        assert size < 0.55 * full, name
+    c = export_merged(half, tmp_path / "c", dtype=torch.float32)
+    for name in ("model.safetensors", STREAM_FILE):
+        ta, tc = load_file(str(a / name)), load_file(str(c / name))
+        for k in ta:
+            torch.testing.assert_close(tc[k], ta[k], rtol=0.01, atol=0.01, msg=f"{name}: {k}")

@@ -314,21 +314,36 @@ def merge_peft_base(peft_dir: str | Path, out_dir: str | Path) -> Path:
 RUN_RECORDS = ("train_args.json", "train_state.json", "train_log.jsonl")
 
 
-def two_stage_adapter(first: str | Path, second: str | Path, out_dir: str | Path) -> Path:
+def store_tensors_in(adapter_dir: str | Path, dtype: torch.dtype) -> None:
+    """Rewrite an adapter's LoRA and stream tensors in ``dtype`` (bf16: half the bytes;
+    loading casts them to the model's dtype)."""
+    for name in (PEFT_WEIGHTS_FILE, STREAM_FILE):
+        path = Path(adapter_dir) / name
+        if path.is_file():
+            tensors = load_file(str(path))
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+            save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def two_stage_adapter(
+    first: str | Path, second: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None
+) -> Path:
     """The two stages of the two-stage objective as one adapter of the first stage's base:
     the LoRA of ``first`` (a next-token run) and the streams of ``second`` (a streams-only
     run on ``first`` merged). Exported, it is ``second`` exported onto ``first`` merged (in
     the export's dtype); the second stage's records come along, the first stage's go into
-    ``OUT/first_stage/``."""
+    ``OUT/first_stage/``. ``dtype`` (e.g. bf16: half the bytes) stores the tensors in it;
+    None keeps the runs' float32."""
     first, second, out = Path(first), Path(second), Path(out_dir)
     streams = SpecStreamConfig.load(second)
     for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, CONFIG_FILE):
         if not (first / name).is_file():
             raise ConfigError(f"{first}: no {name}; the first stage is a next-token LoRA run")
     out.mkdir(parents=True, exist_ok=True)
-    for name in (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE):
-        shutil.copy2(first / name, out / name)
-    shutil.copy2(second / STREAM_FILE, out / STREAM_FILE)
+    for src, name in ((first, PEFT_CONFIG_FILE), (first, PEFT_WEIGHTS_FILE), (second, STREAM_FILE)):
+        shutil.copy2(src / name, out / name)
+    if dtype is not None:
+        store_tensors_in(out, dtype)
     dataclasses.replace(streams, base_model=SpecStreamConfig.load(first).base_model).save(out)
     (out / "first_stage").mkdir(exist_ok=True)
     for name in RUN_RECORDS:
