@@ -30,18 +30,20 @@ DEFAULT_ADAPTER = next(
     (ADAPTERS / name for name in PREFERRED if (ADAPTERS / name).is_dir()), ADAPTERS / PREFERRED[-1]
 )
 
-#: Hand-written inputs in each task's public format (none comes from the datasets).
+#: Hand-written inputs in each task's public format (none is a dataset record).
 PROMPTS = {
     "e2e": [
-        "name[The Copper Kettle], eatType[coffee shop], food[Italian], priceRange[cheap], "
-        "customer rating[5 out of 5], area[riverside], familyFriendly[yes], near[The Old Mill]",
-        "name[Saffron Court], eatType[restaurant], food[Indian], priceRange[moderate], "
+        # The venues of the E2E task's domain (names and attribute values), in combinations
+        # of our own; invented venue names are words the task never teaches.
+        "name[The Punter], eatType[coffee shop], food[Italian], priceRange[cheap], "
+        "customer rating[5 out of 5], area[riverside], familyFriendly[yes], near[Café Sicilia]",
+        "name[Zizzi], eatType[restaurant], food[Indian], priceRange[moderate], "
         "area[city centre], familyFriendly[no]",
-        "name[Blue Heron], eatType[pub], food[Fast food], customer rating[average], "
-        "area[riverside], near[Harbour View]",
-        "name[The Lantern], food[Chinese], priceRange[high], customer rating[1 out of 5]",
-        "name[Harbour View], eatType[restaurant], food[English], priceRange[less than £20], "
-        "area[city centre], familyFriendly[yes], near[The Lantern]",
+        "name[The Golden Curry], eatType[pub], food[Fast food], customer rating[average], "
+        "area[riverside], near[The Bakers]",
+        "name[Loch Fyne], food[Chinese], priceRange[high], customer rating[1 out of 5]",
+        "name[The Waterman], eatType[restaurant], food[English], priceRange[less than £20], "
+        "area[city centre], familyFriendly[yes], near[Raja Indian Cuisine]",
     ],
     "sql": [
         (
@@ -70,6 +72,15 @@ PROMPTS = {
 }
 
 
+#: vLLM serves an fp32 checkpoint in bf16 on a CPU with native bf16 (dtype "auto"), and its
+#: bf16 kernels round a row differently in batches of other sizes: a verified draft may then
+#: flip a near-tie, as with any speculative method. In fp32 every output is identical.
+BF16_NOTE = (
+    " (served in bf16, vLLM's choice on this CPU: a step verifying drafts rounds differently "
+    "from a plain one, so a near-tie may flip; in float32 every output is identical)"
+)
+
+
 def merged_checkpoint(adapter: Path, screen) -> Path:
     """``adapter`` merged onto the embedded model, cached by the adapter's content."""
     from vllm_specstream.paths import specstream_home
@@ -82,7 +93,7 @@ def merged_checkpoint(adapter: Path, screen) -> Path:
         screen.write(f"  merging {adapter} onto the embedded model -> {out}\n")
         # In a process of its own: vLLM's CPU engine reserves 92% of the machine's memory by
         # default, which a front-end still holding the merged model would not leave it.
-        # fp32 weights: served in fp32 by default, so outputs compare token for token.
+        # fp32 weights: vLLM serves them in fp32, or in bf16 where the CPU has native bf16.
         export = [sys.executable, "-m", "vllm_specstream.cli", "export", str(adapter), str(out)]
         subprocess.run([*export, "--merge", "--dtype", "float32"], check=True)
     return out
@@ -123,6 +134,7 @@ def generate(checkpoint: Path, prompts: list[str], k: int, max_tokens: int, roun
             outputs.append(out)
         rates.append(count / seconds)
     drafts, accepted = (b - a for a, b in zip(counters, _spec_counters(llm)))
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -132,6 +144,7 @@ def generate(checkpoint: Path, prompts: list[str], k: int, max_tokens: int, roun
         "tokens": [list(o.token_ids) for o in first],
         "rates": rates,
         "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
+        "dtype": dtype,
     }
 
 
@@ -208,7 +221,8 @@ def main() -> None:
         f"  {spec_name:<18} {spec_rate:6.2f} tokens/s   "
         f"speedup {spec_rate / plain_rate:.2f}x (rounds {ratios[0]:.2f}x-{ratios[-1]:.2f}x)   "
         f"tokens per step {spec['tokens_per_step']:.2f}\n"
-        f"  outputs token-identical: {identical} of {len(prompts)}\n"
+        f"  outputs token-identical: {identical} of {len(prompts)}"
+        f"{BF16_NOTE if spec['dtype'] == 'bfloat16' else ''}\n"
         f"vLLM's log: {log}"
     )
 

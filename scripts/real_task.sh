@@ -131,8 +131,9 @@ if has two-stage; then
         --stream-lr 2e-2 $(chain two-stage)
     stop_unless_finished "$R-two-stage"
     A="$R-two-stage-adapter"
+    # stored in bf16 (half the bytes; what is committed is what is evaluated)
     [ -f "$A/specstream_config.json" ] || $BIN/python -c \
-        "import sys; from vllm_specstream.training.checkpoint import two_stage_adapter; two_stage_adapter(*sys.argv[1:])" \
+        "import sys, torch; from vllm_specstream.training.checkpoint import two_stage_adapter; two_stage_adapter(*sys.argv[1:], dtype=torch.bfloat16)" \
         "$R-ntp" "$R-two-stage" "$A"
     [ -f "$R-two-stage-merged/config.json" ] ||
         $BIN/specstream export "$A" "$R-two-stage-merged" --merge --dtype float32

@@ -37,8 +37,9 @@ class DistillSettings:
     """Reply length cap (tokens); a reply also ends at the model's end-of-sequence token."""
     dtype: str = "float32"
     """The engine's dtype: that of the deployment the streams will draft for."""
-    batch_size: int = 32
-    """Prompts in vLLM's engine at once."""
+    batch_size: int = 128
+    """Prompts given to vLLM's engine at once (their replies are appended to the file when
+    all are done): enough to keep decode batches full while the slowest replies finish."""
 
 
 def missing_prompts(examples, done: set[str]) -> list:
