@@ -38,8 +38,8 @@ class DistillSettings:
     dtype: str = "float32"
     """The engine's dtype: that of the deployment the streams will draft for."""
     batch_size: int = 128
-    """Prompts given to vLLM's engine at once (their replies are appended to the file when
-    all are done): enough to keep decode batches full while the slowest replies finish."""
+    """Prompts given to vLLM's engine at once; their replies are appended to the file when
+    all of them are done (more per call: fewer steps where only the longest replies run)."""
 
 
 def missing_prompts(examples, done: set[str]) -> list:
