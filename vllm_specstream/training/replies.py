@@ -17,6 +17,7 @@ Training reads the file without importing vLLM (:func:`~vllm_specstream.training
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +78,12 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_specstream.patches.cpu_env import cpu_engine_kwargs
+    from vllm_specstream.patches.cpu_env import (
+        ENV_OMP_BIND,
+        cpu_engine_kwargs,
+        physical_cores,
+        speculation_binding,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     logger.info(
@@ -89,7 +95,16 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
         path,
     )
     started = time.monotonic()
-    llm = LLM(model=base, **cpu_engine_kwargs(dtype=settings.dtype, seed=0))
+    # vLLM's auto binding keeps one of two cores for its scheduler; writing replies is a batch
+    # job of compute-bound prefills, so its worker gets both unless the user chose a binding.
+    binding = speculation_binding(os.environ, physical_cores(), 1)
+    if binding:
+        os.environ[ENV_OMP_BIND] = binding
+    try:
+        llm = LLM(model=base, **cpu_engine_kwargs(dtype=settings.dtype, seed=0))
+    finally:
+        if binding:
+            del os.environ[ENV_OMP_BIND]
     params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
