@@ -403,7 +403,7 @@ class ForkServer:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
-            text=True,
+            bufsize=0,
             env=self.environ,
         )
         atexit.register(self.close)
@@ -428,24 +428,34 @@ class ForkServer:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             request = {"name": name, "args": args, "environ": environ}
             request |= {"stdout": str(out), "stderr": str(err)}
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            reply = self.process.stdout.readline()
-            if not reply:
-                raise RuntimeError(
-                    f"the fork server died: {Path(self.log.name).read_text()[-4000:]}"
-                )
-            pid = json.loads(reply)["pid"]
+            data = (json.dumps(request) + "\n").encode()
+            while data:  # an unbuffered pipe may take a long request in parts
+                data = data[self.process.stdin.write(data) :]
+            pid = self._reply()["pid"]
             # The child's exit status is the server's next line.
-            finished = select.select([self.process.stdout], [], [], timeout)[0]
-            if not finished:
+            done = self._reply(timeout)
+            if done is None:
                 os.kill(pid, signal.SIGKILL)
-            returncode = json.loads(self.process.stdout.readline())["returncode"]
-            if not finished:
+                self._reply()
                 raise subprocess.TimeoutExpired([CHILD, name], timeout)
             return subprocess.CompletedProcess(
-                [CHILD, name], returncode, out.read_text(), err.read_text()
+                [CHILD, name], done["returncode"], out.read_text(), err.read_text()
             )
+
+    def _reply(self, timeout: float | None = None) -> dict | None:
+        """The server's next line (None if none came within ``timeout`` seconds), read from
+        the pipe itself: a buffered reader could hold a line that ``select`` cannot see."""
+        fd = self.process.stdout.fileno()
+        line = b""
+        while not line.endswith(b"\n"):
+            if not select.select([fd], [], [], timeout)[0]:
+                return None
+            byte = os.read(fd, 1)
+            if not byte:
+                log = Path(self.log.name).read_text()[-4000:]
+                raise RuntimeError(f"the engine tests' fork server died:\n{log}")
+            line += byte
+        return json.loads(line)
 
     def close(self) -> None:
         if self.process.poll() is None:
