@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 from helpers import LONGEST_FIRST, REPO
-
-#: vLLM's CPU thread binding (``VLLM_CPU_OMP_THREADS_BIND``).
-OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
-
-
-def pytest_configure(config):
-    """Under pytest-xdist, each worker's vLLM engines compute on a core of their own. vLLM's
-    ``auto`` binding puts the worker of every engine on the same core (two test workers'
-    engines would share one core while the other idles) and the plugin gives a speculating
-    engine every core (two of them would oversubscribe both). Tests that need another
-    binding set their own; a binding the user set is kept."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cpus = sorted(os.sched_getaffinity(0))
-    if workers < 2 or len(cpus) < workers or OMP_BIND in os.environ:
-        return
-    index = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
-    share = len(cpus) // workers
-    os.environ[OMP_BIND] = ",".join(map(str, cpus[index * share : (index + 1) * share]))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -85,11 +85,7 @@ def ray_run(tiny_merged, tmp_path_factory):
             stderr=subprocess.STDOUT,
         )
     try:
-        # The replicas choose their cores (the deployment's binding), whatever binding the
-        # test session gave this worker's engines.
-        with pytest.MonkeyPatch.context() as env:
-            env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-            out = serve_and_query(tiny_merged, tmp, http_requests, batch_requests, reference.pid)
+        out = serve_and_query(tiny_merged, tmp, http_requests, batch_requests, reference.pid)
         reference.wait(timeout=600)
     finally:
         if reference.poll() is None:
