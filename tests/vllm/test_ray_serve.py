@@ -100,13 +100,17 @@ def ray_run(tiny_merged, tmp_path_factory):
 
 
 def descendants(exclude_tree: int) -> list:
-    """This process's descendants, without the tree of process ``exclude_tree``."""
+    """This process's descendants, without the tree of process ``exclude_tree`` and the
+    engine tests' fork server (this test session's, not Ray's)."""
     import psutil
+    from engine_child import ForkServer
 
+    server = ForkServer._shared
+    excluded = {exclude_tree} | ({server.process.pid} if server is not None else set())
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.pid != exclude_tree and exclude_tree not in {q.pid for q in p.parents()}:
+            if not excluded & ({p.pid} | {q.pid for q in p.parents()}):
                 found.append(p)
         except psutil.NoSuchProcess:
             pass
