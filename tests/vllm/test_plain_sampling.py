@@ -66,11 +66,17 @@ def _sample_both(temperatures, seeds):
     which requests without a seed draw from, is left where each path leaves it: the
     rejection path draws from it also without drafts; such requests' tokens are random
     draws from the same distribution either way.)"""
+    import vllm
     from vllm.platforms import current_platform
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    # the rejection kernels' CPU implementations, as vLLM's CPU worker registers them
+    from vllm_specstream.patches import apply_patch
+    from vllm_specstream.patches.cpu_kernel_registration import CPU_KERNEL_REGISTRATION
+
+    # the rejection kernels' CPU implementations, as vLLM's CPU worker registers them (with
+    # the plugin's fix: an earlier test in this process may have imported numba)
+    apply_patch(CPU_KERNEL_REGISTRATION, vllm.__version__)
     current_platform.register_triton_kernel_overrides()
     logits = torch.randn(len(temperatures), VOCAB, generator=torch.Generator().manual_seed(3))
     results = []

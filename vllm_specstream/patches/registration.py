@@ -36,11 +36,13 @@ def _apply_patches(vllm_version: str) -> None:
     if current_platform.is_cpu():
         from vllm_specstream.machine import cpu_info
         from vllm_specstream.patches.cpu_expand_kernel import EXPAND_KERNEL
+        from vllm_specstream.patches.cpu_kernel_registration import CPU_KERNEL_REGISTRATION
         from vllm_specstream.patches.cpu_lora_linear import CPU_LORA_LINEAR
         from vllm_specstream.patches.cpu_lora_ops import CPU_LORA_OPS
         from vllm_specstream.patches.onednn_amx_cap import ONEDNN_AMX_CAP, capped_below_amx
 
         apply_patch(EXPAND_KERNEL, vllm_version)
+        apply_patch(CPU_KERNEL_REGISTRATION, vllm_version)
         cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
         if capped_below_amx(cpu_info()[1], cap) and apply_patch(ONEDNN_AMX_CAP, vllm_version):
             logger.debug("ONEDNN_MAX_CPU_ISA=%s keeps oneDNN off AMX: so are vLLM's kernels", cap)
