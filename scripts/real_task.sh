@@ -16,7 +16,9 @@
 # OBJECTIVES=two-stage trains streams alone on the ntp baseline merged (frozen), on its own
 # greedy replies (written with vLLM, cached in the run directory): the second stage of the
 # two-stage objective, whose first stage is the ntp run; both stages become one adapter
-# (RUNS/TASK-two-stage-adapter), merged, evaluated and given a model card.
+# (RUNS/TASK-two-stage-adapter), merged, evaluated and given a model card; with medusa too
+# (OBJECTIVES="ntp two-stage medusa"), Medusa heads train on the same frozen model and
+# replies with the same budget (RUNS/TASK-two-stage-medusa).
 # OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
 # OBJECTIVES=self-distill continues the trained specstream adapter on its own greedy replies
 # (written with vLLM by the adapter merged; SD_STEPS steps, default 200, small LoRA learning
@@ -111,7 +113,7 @@ if has ntp; then
     has two-stage || [ "$EVAL_HERE" = 0 ] || [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-ntp-merged" "${EVAL[@]}" --tree-top-k 0 | tail -n 1 > "$R-ntp-eval.json"
 fi
-if has medusa; then
+if has medusa && has specstream; then
     # Heads for the served specstream checkpoint (frozen): what `specstream bench --medusa` runs.
     "${RUN[@]}" $BIN/specstream train --out "$R-medusa" --objective medusa \
         --base "$R-specstream-merged" "${COMMON[@]}"
@@ -148,6 +150,12 @@ if has two-stage; then
         "$A" --eval "$R-two-stage-eval.json" \
         --note "Two-stage objective: the next-token LoRA (first stage, records in first_stage/), then streams and a LoRA on the stream rows trained on that model merged and frozen, learning its own greedy replies (second stage, the records here); outputs are the next-token model's. The budget also counts the replies (logged by the run)." \
         --command "OBJECTIVES=\"ntp two-stage\" bash scripts/real_task.sh $TASK $DATA $DEV RUNS $STEPS"
+    # Medusa heads on the same frozen model, replies and budget: the peer baseline of Table 1
+    # (`specstream bench RUNS/TASK-two-stage-merged --medusa RUNS/TASK-two-stage-medusa`).
+    if has medusa; then
+        "${RUN[@]}" $BIN/specstream train --out "$R-two-stage-medusa" --objective medusa \
+            --base "$R-ntp-merged" --distill "$R-two-stage" "${COMMON[@]}" "${TWO_STAGE[@]}"
+    fi
 fi
 
 if has self-distill; then
