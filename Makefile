@@ -14,11 +14,12 @@ base: setup  ## convert the embedded SmolLM2-135M-Instruct once (cached)
 demo: base  ## specstream end to end: a real-task adapter on the embedded model, plain vs specstream
 	@$(BIN)/python examples/demo.py
 
-# The suite's files run on two workers (one file's tests stay together: they share engines),
-# engine-heavy files first (tests/helpers.py: LONGEST_FIRST);
-# an engine start keeps about one core busy, so two at a time fill a 2-core machine.
+# The suite's files run on three workers (one file's tests stay together: they share engines),
+# engine-heavy files first (tests/helpers.py: LONGEST_FIRST). Each engine computes on one
+# thread (tests/conftest.py) and waits on process starts and imports part of the time, so
+# three at a time fill a 2-core machine.
 test: setup base  ## the whole suite, engine tests included (what CI runs)
-	@$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+	@$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test-fast: setup  ## unit tests only (no vLLM engine)
 	@$(BIN)/python -m pytest -q -m "not engine and not serve" tests

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from helpers import LONGEST_FIRST, REPO
+
+# One unpinned OpenMP thread per engine and per test process: several engines run at once on
+# the suite's few cores, and vLLM's default binding would pin every plain engine to the same
+# core while a speculating one spins two threads. (The binding rules are tested as functions:
+# tests/unit/test_cpu_env.py.) Set before any engine or fork server starts; inherited by all.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def pytest_collection_modifyitems(config, items):

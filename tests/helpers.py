@@ -33,21 +33,24 @@ def load_benchmark(name: str, register: bool = False):
 
 
 # Test files in the order the suite hands them to its workers: the ones that start several
-# vLLM engines first, longest first (`make test` runs files on two workers without xdist's
+# vLLM engines first, longest first (`make test` runs files on several workers without xdist's
 # reordering by test count, which would leave the few-test engine files for last, where the
 # longest of them runs alone while the other worker idles). Unlisted files follow, in
 # collection order.
 LONGEST_FIRST = (
-    "vllm/test_engine_checkpoints.py",
-    "vllm/test_tree_verification.py",
     "vllm/test_specstream_engine.py",
-    "vllm/test_base_families.py",
-    "vllm/test_ray_serve.py",
+    "vllm/test_engine_checkpoints.py",
     "vllm/test_lora_serving.py",
-    "vllm/test_serve.py",
+    "vllm/test_base_families.py",
     "vllm/test_streams_only_serving.py",
+    "vllm/test_tree_verification.py",
+    "vllm/test_ray_serve.py",
+    "vllm/test_serve.py",
+    "vllm/test_patches.py",
     "vllm/test_serve_adapters.py",
+    "training/test_train.py",
     "vllm/test_engine_plugin.py",
+    "unit/test_base_model.py",
     "vllm/test_stream_weights.py",
 )
 

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 from engine_child import CHILD
@@ -85,7 +86,11 @@ def ray_run(tiny_merged, tmp_path_factory):
             stderr=subprocess.STDOUT,
         )
     try:
-        out = serve_and_query(tiny_merged, tmp, http_requests, batch_requests, reference.pid)
+        # The replicas choose their cores where the user chose no binding (checked below),
+        # not under the suite's one-thread default (tests/conftest.py).
+        with mock.patch.dict(os.environ):
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+            out = serve_and_query(tiny_merged, tmp, http_requests, batch_requests, reference.pid)
         reference.wait(timeout=600)
     finally:
         if reference.poll() is None:
