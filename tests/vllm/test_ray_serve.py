@@ -87,8 +87,9 @@ def ray_run(tiny_merged, tmp_path_factory):
         )
     try:
         # The replicas choose their cores where the user chose no binding (checked below),
-        # not under the suite's one-thread default (tests/conftest.py).
-        with mock.patch.dict(os.environ):
+        # not under the suite's one-thread default (tests/conftest.py). Ray runs its workers
+        # at nice 15: beside the other test files' engines the replicas took 5-8 min to start.
+        with mock.patch.dict(os.environ, {"RAY_worker_niceness": "0"}):
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
             out = serve_and_query(tiny_merged, tmp, http_requests, batch_requests, reference.pid)
         reference.wait(timeout=600)
