@@ -17,7 +17,7 @@ demo: base  ## specstream end to end: a real-task adapter on the embedded model,
 # The suite's files run on three workers (one file's tests stay together: they share engines),
 # engine-heavy files first (tests/helpers.py: LONGEST_FIRST). Each engine computes on one
 # thread (tests/conftest.py) and waits on process starts and imports part of the time, so
-# three at a time fill a 2-core machine.
+# three at a time keep a 2-core machine busier than two (docs/testing.md).
 test: setup base  ## the whole suite, engine tests included (what CI runs)
 	@$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
