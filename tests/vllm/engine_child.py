@@ -341,9 +341,28 @@ def lora_stash(ckpt: str, k: int, engine: dict, requests: list[dict]) -> list[di
     return out
 
 
+def python(code: str, cwd: str) -> None:
+    """``python -c CODE`` in ``cwd``: a script that checks vLLM's internals in a process of
+    its own (patches applied there stay there)."""
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
 CHILDREN = {
     f.__name__: f
-    for f in (generate, probe, fail_to_start, sample, plain_run, reference, lora_mixed, lora_stash)
+    for f in (
+        generate,
+        probe,
+        fail_to_start,
+        sample,
+        plain_run,
+        reference,
+        lora_mixed,
+        lora_stash,
+        python,
+    )
 }
 
 
@@ -364,7 +383,7 @@ def run_child(
     layout = {} if processes or tp > 1 else IN_PROCESS_ENV
     environ = {**os.environ, **layout, **(env or {})}
     server = ForkServer.shared() if layout else None
-    if server is not None and server.can_run(environ):
+    if server is not None and server.can_run(environ, {**layout, **(env or {})}):
         out = server.run(name, args, environ, timeout)
     else:
         out = subprocess.run(
@@ -380,6 +399,13 @@ def run_child(
     return (json.loads(line[len("RESULT ") :]) if line else None), out
 
 
+def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``helpers.run_python`` (``code`` in a process of its own, from ``tests/``), started
+    from the fork server where ``env`` allows: vLLM is then imported already, the plugin
+    not."""
+    return run_child("python", env=env, check=False, code=code, cwd=str(Path(CHILD).parents[1]))[1]
+
+
 class ForkServer:
     """A process that imports vLLM, PyTorch and Transformers once, then forks one child per
     run: the child takes the run's environment and output files and runs its program with
@@ -390,9 +416,16 @@ class ForkServer:
     environment differs from the server's in a variable that may be read on import (e.g.
     ``VLLM_LOGGING_LEVEL``, ``ONEDNN_MAX_CPU_ISA``) runs in a fresh process instead."""
 
-    #: Variables read when an engine starts, not when vLLM or PyTorch is imported.
+    #: Variables read when an engine starts, not when vLLM or PyTorch is imported (pytest
+    #: names the running test in PYTEST_CURRENT_TEST: a server started by one test serves
+    #: the next ones).
     FORK_SAFE = frozenset(
-        {"VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_OMP_THREADS_BIND", "PYTHONUNBUFFERED"}
+        {
+            "VLLM_ALLOW_INSECURE_SERIALIZATION",
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "PYTHONUNBUFFERED",
+            "PYTEST_CURRENT_TEST",
+        }
     )
     _shared: ForkServer | None = None
 
@@ -418,11 +451,18 @@ class ForkServer:
             cls._shared = cls()
         return cls._shared
 
-    def can_run(self, environ: dict) -> bool:
-        changed = {
-            k for k in set(environ) | set(self.environ) if environ.get(k) != self.environ.get(k)
-        }
-        return changed <= self.FORK_SAFE
+    def can_run(self, environ: dict, asked: dict) -> bool:
+        """Whether a run in ``environ`` (with the variables ``asked`` for it) may fork: it
+        differs from the server's environment only in :data:`FORK_SAFE` and in variables
+        that imports in the test process added (vLLM and its dependencies set some when
+        imported, as in the server)."""
+        for k in set(environ) | set(self.environ):
+            value = environ.get(k)
+            if value == self.environ.get(k) or k in self.FORK_SAFE:
+                continue
+            if k in asked or k in self.environ:
+                return False
+        return True
 
     def run(self, name: str, args: dict, environ: dict, timeout: float):
         with tempfile.TemporaryDirectory(prefix="engine-child-") as tmp:

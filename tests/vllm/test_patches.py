@@ -5,7 +5,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import run_python, venv_script
+from engine_child import run_python
+from helpers import venv_script
 
 from vllm_specstream.patches import Patch, applied_patches, apply_patch, wrap_once
 from vllm_specstream.patches.vllm_cli import SCRIPT_MARKER, VERSION_ALIAS, install_cli_script

@@ -5,11 +5,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from engine_child import CHILD, run_child
+from engine_child import run_child
 
 from vllm_specstream.bench.bench import has_suffix_decoding
 from vllm_specstream.model_executor.stream_weights import bf16_gemm_available
@@ -136,10 +135,11 @@ def runs(request, tiny_merged, tmp_path_factory):
     batch: vLLM mixes prefill and decode rows, and rows move as requests finish)."""
     requests = make_requests(32, seed=len(request.param))
     engine = ENGINES[request.param]
-    # The default setting runs in the user's process layout (front-end, engine core,
-    # worker), the others with the engine in one process (engine_child.IN_PROCESS_ENV).
-    layout = {"processes": request.param == "default"}
-    plain = run_engine(tiny_merged, 0, engine, requests, **layout)
+    # The default setting's window run (the placement an eager engine takes) runs in the
+    # user's process layout (front-end, engine core, worker), every other run with the
+    # engine in one process (engine_child.IN_PROCESS_ENV): its outputs are the same, and it
+    # starts without importing vLLM again.
+    plain = run_engine(tiny_merged, 0, engine, requests)
     placements = ENGINE_PLACEMENTS[request.param]
     if not has_suffix_decoding():
         placements = tuple(p for p in placements if p != "suffix")
@@ -152,7 +152,6 @@ def runs(request, tiny_merged, tmp_path_factory):
             env=INSPECT_ENV,
             fields=TREE_FIELDS,
             trees=True,
-            **layout,
         )
         if p == "tree"
         else run_engine(
@@ -160,7 +159,6 @@ def runs(request, tiny_merged, tmp_path_factory):
             3,
             engine,
             requests,
-            **layout,
         )
         if p == "suffix"
         else run_engine(
@@ -171,7 +169,7 @@ def runs(request, tiny_merged, tmp_path_factory):
             # the chunked setting's window run takes the default placement (chosen for the CPU)
             None if (p, request.param) == ("window", "chunked") else p,
             fields={"stream_dtype": STREAM_DTYPES[p]} if request.param == "default" else None,
-            **layout,
+            processes=(p, request.param) == ("window", "default"),
         )
         for p in placements
     }
@@ -435,29 +433,33 @@ def last_line_of_failed_start(
     from helpers import free_port, venv_script
 
     if front_end == "LLM":
-        args = {"ckpt": str(ckpt), "k": k, "fields": fields}
-        cmd = [sys.executable, CHILD, "fail_to_start", json.dumps(args)]
-    else:
-        cmd = [
-            venv_script("vllm"),
-            "serve",
-            str(ckpt),
-            "--spec-model",
-            "specstream",
-            "--spec-tokens",
-            str(k),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--enforce-eager",
-            "--gpu-memory-utilization",
-            "0.3",
-            "--port",
-            str(free_port()),
-        ]
-        if fields:
-            cmd += ["--additional-config", json.dumps({"specstream": fields})]
+        # (a process of its own; its traceback, the last thing it prints, goes to stderr)
+        _, out = run_child(
+            "fail_to_start", env=env, check=False, ckpt=str(ckpt), k=k, fields=fields
+        )
+        assert out.returncode != 0, out.stdout[-3000:]
+        output = out.stdout + out.stderr
+        return [line for line in output.splitlines() if line.strip()][-1], output
+    cmd = [
+        venv_script("vllm"),
+        "serve",
+        str(ckpt),
+        "--spec-model",
+        "specstream",
+        "--spec-tokens",
+        str(k),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--port",
+        str(free_port()),
+    ]
+    if fields:
+        cmd += ["--additional-config", json.dumps({"specstream": fields})]
     out = subprocess.run(
         cmd,
         stdout=subprocess.PIPE,

@@ -54,7 +54,8 @@ def test_drafts_are_the_training_wrappers_and_outputs_the_base_models(
 
 def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
     """`specstream train --objective streams-only` writes the base model's replies to every
-    prompt (train and held out) with vLLM, trains on them, and reuses them when run again."""
+    prompt (train and held out) with vLLM, trains on them, and reuses them when run again.
+    A prompt longer than the model's context (2,048 tokens) keeps its last tokens."""
     import json
     import subprocess
 
@@ -62,6 +63,12 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
 
     base, _ = tiny_streams_only
     out = tmp_path / "run"
+    records = [
+        {"prompt": f"Question {i}: what is {i} plus {i}?", "completion": "x"} for i in range(8)
+    ]
+    records[3]["prompt"] = "a long schema " * 1000 + records[3]["prompt"]  # ~3,000 tokens
+    for name, part in (("train", records[:6]), ("eval", records[6:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     cmd = [
         venv_script("specstream"),
         "train",
@@ -71,10 +78,10 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
         str(base),
         "--out",
         str(out),
-        "--num-train",
-        "6",
-        "--num-eval",
-        "2",
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--eval-data",
+        str(tmp_path / "eval.jsonl"),
         "--num-streams",
         "2",
         "--num-msa-layers",
@@ -92,6 +99,7 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
     ]
     first = subprocess.run([*cmd, "--steps", "1"], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-4000:]
+    assert "(1 prompts longer than the model's context" in first.stdout + first.stderr
     records = [json.loads(x) for x in (out / "self_distill.jsonl").read_text().splitlines()]
     assert len(records) == 8 and all(r["messages"][-1]["role"] == "user" for r in records)
     assert all(r["completion"] for r in records)  # 12 tokens of a random model: never empty

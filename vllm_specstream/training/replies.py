@@ -106,11 +106,17 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
         if binding:
             del os.environ[ENV_OMP_BIND]
     params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
+    # A prompt longer than the model's context (a Spider schema may be) keeps its last
+    # tokens, as training keeps them: room is left for a reply of max_tokens.
+    room = llm.llm_engine.model_config.max_model_len - settings.max_tokens
+    cut = 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         for start in range(0, len(todo), settings.batch_size):
             chunk = todo[start : start + settings.batch_size]
-            prompts = [TokensPrompt(prompt_token_ids=prompt_ids(tokenizer, m)) for m in chunk]
+            ids = [prompt_ids(tokenizer, m) for m in chunk]
+            cut += sum(len(x) > room for x in ids)
+            prompts = [TokensPrompt(prompt_token_ids=x[-room:]) for x in ids]
             outputs = llm.generate(prompts, params, use_tqdm=True)
             for messages, out in zip(chunk, outputs):
                 reply = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
@@ -118,8 +124,11 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
             f.flush()
     del llm
     logger.info(
-        "Self-distillation: %d replies written in %.1f min",
+        "Self-distillation: %d replies written in %.1f min (%d prompts longer than the "
+        "model's context less %d reply tokens kept their last tokens)",
         len(todo),
         (time.monotonic() - started) / 60,
+        cut,
+        settings.max_tokens,
     )
     return path
