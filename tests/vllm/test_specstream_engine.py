@@ -437,40 +437,39 @@ def last_line_of_failed_start(
         _, out = run_child(
             "fail_to_start", env=env, check=False, ckpt=str(ckpt), k=k, fields=fields
         )
-        assert out.returncode != 0, out.stdout[-3000:]
         output = out.stdout + out.stderr
-        return [line for line in output.splitlines() if line.strip()][-1], output
-    cmd = [
-        venv_script("vllm"),
-        "serve",
-        str(ckpt),
-        "--spec-model",
-        "specstream",
-        "--spec-tokens",
-        str(k),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.3",
-        "--port",
-        str(free_port()),
-    ]
-    if fields:
-        cmd += ["--additional-config", json.dumps({"specstream": fields})]
-    out = subprocess.run(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        env={**os.environ, **(env or {})},
-    )
-    assert out.returncode != 0, out.stdout[-3000:]
-    lines = [line for line in out.stdout.splitlines() if line.strip()]
-    return lines[-1], out.stdout
+    else:
+        cmd = [
+            venv_script("vllm"),
+            "serve",
+            str(ckpt),
+            "--spec-model",
+            "specstream",
+            "--spec-tokens",
+            str(k),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--port",
+            str(free_port()),
+        ]
+        if fields:
+            cmd += ["--additional-config", json.dumps({"specstream": fields})]
+        out = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
+            env={**os.environ, **(env or {})},
+        )
+        output = out.stdout
+    assert out.returncode != 0, output[-3000:]
+    return [line for line in output.splitlines() if line.strip()][-1], output
 
 
 #: ``vllm serve`` prints a front-end error as ``LLM()`` does whichever check raised it; it
