@@ -27,6 +27,7 @@ test-fast: setup  ## unit tests only (no vLLM engine)
 lint: setup
 	@$(BIN)/ruff check vllm_specstream tests examples benchmarks
 	@$(BIN)/ruff format --check vllm_specstream tests examples benchmarks
+	@$(BIN)/lint-imports --no-cache
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,6 +1,7 @@
 """Packaging: entry point, console script, lazy imports, --help everywhere."""
 
 import subprocess
+from pathlib import Path
 from importlib.metadata import entry_points
 
 import pytest
@@ -38,6 +39,18 @@ def test_training_never_imports_vllm():
         "print('vllm' in sys.modules)"
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_layout_keeps_its_import_rules():
+    # The contracts of pyproject.toml's [tool.importlinter] (docs/architecture.md): no cycles,
+    # vLLM only where it runs, folders importing only the layers below them.
+    out = subprocess.run(
+        [venv_script("lint-imports"), "--no-cache"],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr
 
 
 @pytest.mark.parametrize("sub", [[], ["prepare-base"], ["install-vllm-cli"], ["doctor"]])

@@ -11,7 +11,8 @@ from safetensors.numpy import save_file
 
 from vllm_specstream import PROPOSER
 from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
-from vllm_specstream.speculation.preflight import check_options, check_platform, check_setup
+from vllm_specstream.patches.engine_config_check import check_options
+from vllm_specstream.speculation.preflight import check_platform, check_setup
 
 HIDDEN = 8
 CPU = SimpleNamespace(is_cpu=lambda: True, device_name="cpu")

@@ -26,7 +26,6 @@ from vllm_specstream.speculation.options import (
     SpecStreamOptions,
     check_proposer,
     draft_tree_of,
-    read_options,
 )
 from vllm_specstream.speculation.suffix_drafts import suffix_cache_class
 
@@ -95,7 +94,8 @@ def check_setup(
     """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
     engine config cannot serve: ``model`` is vLLM's model path, ``hf_config`` its parsed
     ``config.json``, ``spec_*`` the resolved speculative config (None without one),
-    ``options`` the engine's configuration (:func:`check_options`; None: the defaults)."""
+    ``options`` the engine's configuration
+    (:func:`~vllm_specstream.patches.engine_config_check.check_options`; None: the defaults)."""
     if spec_method == "custom_class":
         check_proposer(spec_model)
     speculating = uses_specstream_proposer(spec_method, spec_model)
@@ -150,24 +150,6 @@ def check_setup(
         )
     if local and str(load_format) in SAFETENSORS_LOAD_FORMATS:
         check_stream_tensors(model_dir, config, hf_config)
-
-
-def check_options(vllm_config, environ=None) -> SpecStreamOptions:
-    """The engine's configuration exactly as its model and proposer will read it
-    (:func:`~vllm_specstream.speculation.options.read_options`), read here so that a bad field or a
-    malformed ``num_speculative_tokens_per_batch_size`` (vLLM's own validator) is refused
-    before the engine spawns."""
-    options = read_options(vllm_config, environ)
-    if options.schedule:
-        from vllm_specstream.patches.vllm_schedule import schedule_lookup
-
-        scheduler = getattr(vllm_config, "scheduler_config", None)
-        max_seqs = max(int(getattr(scheduler, "max_num_seqs", 0) or 0), 1)
-        try:
-            schedule_lookup(list(options.schedule), max_seqs, options.num_speculative_tokens)
-        except ValueError as e:
-            raise ConfigError(f"speculative_config {e}") from e
-    return options
 
 
 def serves_specstream(architectures, spec_method: str | None, spec_model: str | None) -> bool:
