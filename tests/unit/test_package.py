@@ -1,8 +1,8 @@
 """Packaging: entry point, console script, lazy imports, --help everywhere."""
 
 import subprocess
-from pathlib import Path
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 from helpers import run_python, venv_script
