@@ -107,6 +107,11 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     assert "has a reply for each of the prompts" in again.stdout + again.stderr
     assert len((out / "self_distill.jsonl").read_text().splitlines()) == 8
+    cmd[cmd.index(str(out))] = str(tmp_path / "too-long")
+    cmd[cmd.index("--distill-max-tokens") + 1] = "2048"
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0
+    assert "--distill-max-tokens 2048 leaves no room" in refused.stderr.strip().splitlines()[-1]
 
 
 def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(

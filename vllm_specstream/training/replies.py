@@ -85,6 +85,15 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
         speculation_binding,
     )
 
+    kwargs = cpu_engine_kwargs(dtype=settings.dtype, seed=0)
+    if settings.max_tokens >= kwargs["max_model_len"]:
+        from vllm_specstream.checkpoint.config import ConfigError
+
+        raise ConfigError(
+            f"--distill-max-tokens {settings.max_tokens} leaves no room for a prompt in the "
+            f"replies' context of {kwargs['max_model_len']} tokens: ask for fewer reply "
+            f"tokens (256 by default)"
+        )
     tokenizer = AutoTokenizer.from_pretrained(base)
     logger.info(
         "Self-distillation: generating the base model's replies to %d prompts (%s, greedy, "
@@ -101,7 +110,7 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
     if binding:
         os.environ[ENV_OMP_BIND] = binding
     try:
-        llm = LLM(model=base, **cpu_engine_kwargs(dtype=settings.dtype, seed=0))
+        llm = LLM(model=base, **kwargs)
     finally:
         if binding:
             del os.environ[ENV_OMP_BIND]
