@@ -7,16 +7,10 @@ import signal
 import sys
 
 from vllm_specstream.cli.common import (
-    DATA_HELP as _DATA_HELP,
-)
-from vllm_specstream.cli.common import (
-    TASK_HELP as _TASK_HELP,
-)
-from vllm_specstream.cli.common import (
+    DATA_HELP,
+    TASK_HELP,
     DefaultsHelpFormatter,
-)
-from vllm_specstream.cli.common import (
-    add_split_args as _add_split_args,
+    add_split_args,
 )
 
 
@@ -106,9 +100,9 @@ def add_parser(sub) -> None:
         "with --medusa, "
         "suffix only where arctic-inference is importable)",
     )
-    p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
-    p.add_argument("--data", help=_DATA_HELP)
-    _add_split_args(p, choose_split=True, val_note=" (training's value)")
+    p.add_argument("--task", default="sql", choices=ALL_TASKS, help=TASK_HELP)
+    p.add_argument("--data", help=DATA_HELP)
+    add_split_args(p, choose_split=True, val_note=" (training's value)")
     p.add_argument("--prompts", help="JSONL of prompts instead of the task's test split")
     p.add_argument("-n", type=int, default=16, help="number of prompts")
     p.add_argument("--batch-sizes", default="1,4,16")

@@ -6,13 +6,9 @@ import argparse
 import sys
 
 from vllm_specstream.cli.common import (
-    DATA_HELP as _DATA_HELP,
-)
-from vllm_specstream.cli.common import (
+    DATA_HELP,
     DefaultsHelpFormatter,
-)
-from vllm_specstream.cli.common import (
-    add_split_args as _add_split_args,
+    add_split_args,
 )
 
 
@@ -43,7 +39,7 @@ def add_parser(sub) -> None:
         formatter_class=defaults,
     )
     p.add_argument("--task", required=True, choices=["sql", "e2e", "dialogsum"])
-    p.add_argument("--data", required=True, help=_DATA_HELP)
+    p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument("--out", required=True, help="output directory")
-    _add_split_args(p, choose_split=False)
+    add_split_args(p, choose_split=False)
     p.set_defaults(func=_cmd_data_split)

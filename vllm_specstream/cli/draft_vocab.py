@@ -6,13 +6,9 @@ import argparse
 import sys
 
 from vllm_specstream.cli.common import (
-    DATA_HELP as _DATA_HELP,
-)
-from vllm_specstream.cli.common import (
+    DATA_HELP,
     DefaultsHelpFormatter,
-)
-from vllm_specstream.cli.common import (
-    add_split_args as _add_split_args,
+    add_split_args,
 )
 
 
@@ -60,10 +56,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("adapter_dir", help="adapter checkpoint (as `specstream train` writes it)")
     p.add_argument("--task", required=True, choices=["sql", "e2e", "dialogsum"])
-    p.add_argument("--data", required=True, help=_DATA_HELP)
+    p.add_argument("--data", required=True, help=DATA_HELP)
     p.add_argument(
         "--size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE, help="tokens in the vocabulary"
     )
     p.add_argument("--base", help="base model dir (default: the one recorded in the adapter)")
-    _add_split_args(p, choose_split=False)
+    add_split_args(p, choose_split=False)
     p.set_defaults(func=_cmd_draft_vocab)

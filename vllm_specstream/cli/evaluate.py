@@ -8,16 +8,10 @@ import sys
 from pathlib import Path
 
 from vllm_specstream.cli.common import (
-    DATA_HELP as _DATA_HELP,
-)
-from vllm_specstream.cli.common import (
-    TASK_HELP as _TASK_HELP,
-)
-from vllm_specstream.cli.common import (
+    DATA_HELP,
+    TASK_HELP,
     DefaultsHelpFormatter,
-)
-from vllm_specstream.cli.common import (
-    add_split_args as _add_split_args,
+    add_split_args,
 )
 
 
@@ -87,9 +81,9 @@ def add_parser(sub) -> None:
         formatter_class=defaults,
     )
     p.add_argument("--checkpoint", required=True, help="adapter or merged checkpoint")
-    p.add_argument("--task", default="sql", choices=ALL_TASKS, help=_TASK_HELP)
-    p.add_argument("--data", help=_DATA_HELP)
-    _add_split_args(p, choose_split=True, val_note=" (training's value)")
+    p.add_argument("--task", default="sql", choices=ALL_TASKS, help=TASK_HELP)
+    p.add_argument("--data", help=DATA_HELP)
+    add_split_args(p, choose_split=True, val_note=" (training's value)")
     p.add_argument("--prompts", help="generic JSONL of prompts and references (sql records too)")
     p.add_argument("--base", help="base model dir for an adapter (default: the recorded one)")
     p.add_argument(

@@ -7,17 +7,11 @@ import sys
 from pathlib import Path
 
 from vllm_specstream.cli.common import (
-    DATA_HELP as _DATA_HELP,
-)
-from vllm_specstream.cli.common import (
-    TASK_HELP as _TASK_HELP,
-)
-from vllm_specstream.cli.common import (
+    DATA_HELP,
+    TASK_HELP,
     DefaultsHelpFormatter,
     add_field_flags,
-)
-from vllm_specstream.cli.common import (
-    add_split_args as _add_split_args,
+    add_split_args,
 )
 
 #: Flags made from the fields of ``TrainArgs`` of the same name (type, default and help
@@ -241,12 +235,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--task",
         choices=ALL_TASKS,
-        help=_TASK_HELP + "; not given (%(default)s): sql, or with --data generic JSONL of "
+        help=TASK_HELP + "; not given (%(default)s): sql, or with --data generic JSONL of "
         "prompt/completion or messages records",
     )
     p.add_argument(
         "--data",
-        help=_DATA_HELP + "; training uses the part --val-fraction does not hold out "
+        help=DATA_HELP + "; training uses the part --val-fraction does not hold out "
         "(every reference is one example)",
     )
     p.add_argument(
@@ -254,7 +248,7 @@ def add_parser(sub) -> None:
         help="held-out file, same format as --data (default: the part of --data held out, "
         "else the synthetic task's test split)",
     )
-    _add_split_args(p, choose_split=False, val_note="; 0 trains on all of it")
+    add_split_args(p, choose_split=False, val_note="; 0 trains on all of it")
     p.add_argument(
         "--objective",
         default="specstream",
