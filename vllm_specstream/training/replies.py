@@ -92,7 +92,7 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
         raise ConfigError(
             f"--distill-max-tokens {settings.max_tokens} leaves no room for a prompt in the "
             f"replies' context of {kwargs['max_model_len']} tokens: ask for fewer reply "
-            f"tokens (256 by default)"
+            f"tokens ({DistillSettings.max_tokens} by default)"
         )
     tokenizer = AutoTokenizer.from_pretrained(base)
     logger.info(
