@@ -19,6 +19,9 @@
 # (RUNS/TASK-two-stage-adapter), merged, evaluated and given a model card; with medusa too
 # (OBJECTIVES="ntp two-stage medusa"), Medusa heads train on the same frozen model and
 # replies with the same budget (RUNS/TASK-two-stage-medusa).
+# OBJECTIVES=committed-medusa trains Medusa heads for the task's committed adapter with the
+# same budget, on that adapter's own greedy replies (RUNS/TASK-committed-medusa; the adapter
+# merged in RUNS/TASK-committed-merged): Table 1's peer baseline without the adapter's runs.
 # OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
 # OBJECTIVES=self-distill continues the trained specstream adapter on its own greedy replies
 # (written with vLLM by the adapter merged; SD_STEPS steps, default 200, small LoRA learning
@@ -44,9 +47,9 @@ RUNS=${4:-runs}
 BIN=${SPECSTREAM_BIN:-.venv/bin}
 EVAL_HERE=${SPECSTREAM_EVAL:-1}
 case "$TASK" in
-    sql) MSA=8; MAXLEN=512; BUDGET=875 ;;          # N_s/N ~ 1/4 (the demo adapter's setting)
-    e2e) MSA=15; MAXLEN=192; BUDGET=2000 ;;        # N_s/N = 1/2, as the paper for text tasks
-    dialogsum) MSA=15; MAXLEN=768; BUDGET=1000 ;;
+    sql) MSA=8; MAXLEN=512; BUDGET=875; COMMITTED=examples/adapters/sql-spider-smollm2-ss4 ;;  # N_s/N ~ 1/4
+    e2e) MSA=15; MAXLEN=192; BUDGET=2000; COMMITTED=examples/adapters/e2e-smollm2-ss4 ;;  # N_s/N = 1/2, as the paper
+    dialogsum) MSA=15; MAXLEN=768; BUDGET=1000; COMMITTED=examples/adapters/dialogsum-smollm2-ss4 ;;
     *) echo "$usage" >&2; exit 2 ;;
 esac
 STEPS=${5:-$BUDGET}
@@ -156,6 +159,17 @@ if has two-stage; then
         "${RUN[@]}" $BIN/specstream train --out "$R-two-stage-medusa" --objective medusa \
             --base "$R-ntp-merged" --distill "$R-two-stage" "${COMMON[@]}" "${TWO_STAGE[@]}"
     fi
+fi
+
+# Medusa heads for the committed adapter: the model it serves, frozen, and its own replies
+# (written with vLLM, or Transformers where vLLM is absent), as the two-stage run trains them
+# (`specstream bench RUNS/TASK-committed-merged --medusa RUNS/TASK-committed-medusa`).
+if has committed-medusa; then
+    [ -f "$R-committed-merged/config.json" ] ||
+        $BIN/specstream export "$COMMITTED" "$R-committed-merged" --merge --dtype float32
+    "${RUN[@]}" $BIN/specstream train --out "$R-committed-medusa" --objective medusa \
+        --base "$R-committed-merged" --distill "$R-committed-medusa/self_distill.jsonl" \
+        "${COMMON[@]}" "${TWO_STAGE[@]}"
 fi
 
 if has self-distill; then

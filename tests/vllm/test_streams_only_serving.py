@@ -2,6 +2,8 @@
 (stream LoRA included, both placements), its outputs the base model's; and the CLI that
 trains one writes the base model's replies with vLLM."""
 
+import os
+
 import pytest
 from engine_child import run_child
 from test_lora_serving import _deployment
@@ -150,3 +152,55 @@ def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
     assert [spec["tokens"][0]] == base_outputs[0] and [spec["tokens"][2]] == base_outputs[2]
     assert spec["per_request"][0]["num_spec_steps"] > 0, spec["per_request"]
     assert not spec["per_request"][2] or spec["per_request"][2]["num_spec_steps"] == 0
+
+
+def test_medusa_heads_learn_the_replies_written_with_or_without_vllm(base_model_dir, tmp_path):
+    """`specstream train --objective medusa --distill FILE` writes the served model's greedy
+    replies where FILE lacks them, then trains the heads on them; on a machine without vLLM
+    (a GPU that trains) Transformers writes them, prompts of different lengths batched and
+    left-padded together: the same replies, token for token decoded."""
+    import json
+    import subprocess
+
+    from helpers import venv_script
+
+    questions = ["What is 2 + 2?", "Name a colour.", "Write one short sentence about the sea " * 6]
+    questions += [f"Count from {i} to {i + 5}." for i in range(5)]
+    for name, part in (("train", questions[:6]), ("eval", questions[6:])):
+        rows = [{"prompt": q, "completion": "x"} for q in part]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hidden = tmp_path / "no-vllm"
+    hidden.mkdir()
+    (hidden / "vllm.py").write_text("raise ImportError('no vLLM on this machine')\n")
+
+    def train(out: str, env: dict | None = None) -> str:
+        cmd = [venv_script("specstream"), "train", "--objective", "medusa"]
+        cmd += ["--base", str(base_model_dir), "--out", str(tmp_path / out)]
+        cmd += ["--distill", str(tmp_path / out / "self_distill.jsonl")]
+        cmd += [
+            "--data",
+            str(tmp_path / "train.jsonl"),
+            "--eval-data",
+            str(tmp_path / "eval.jsonl"),
+        ]
+        cmd += ["--num-streams", "2", "--distill-max-tokens", "24", "--batch-size", "2"]
+        cmd += ["--max-length", "128", "--dtype", "fp32", "--steps", "1"]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert (tmp_path / out / "model.safetensors").is_file()
+        return done.stdout + done.stderr
+
+    assert "with vLLM" in train("with-vllm")
+    assert "with Transformers (vLLM is not installed)" in train(
+        "without", {"PYTHONPATH": str(hidden)}
+    )
+
+    def replies(out: str) -> dict:
+        lines = (tmp_path / out / "self_distill.jsonl").read_text().splitlines()
+        return {json.dumps(r["messages"]): r["completion"] for r in map(json.loads, lines)}
+
+    written = replies("with-vllm")
+    assert len(written) == len(questions) and all(written.values())
+    assert replies("without") == written

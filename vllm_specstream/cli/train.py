@@ -131,13 +131,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         lora=lora,
         **{name: getattr(args, name) for name in FIELD_FLAGS},
     )
-    # streams-only, and a run continuing an adapter (--init-from), write the replies they
-    # lack into the --distill file; other runs only read it
+    # streams-only, Medusa heads learning replies, and a run continuing an adapter
+    # (--init-from) write the replies they lack into the --distill file; other runs only read it
     continues = bool(args.init_from) and args.objective in ("specstream", "ntp")
+    medusa_replies = args.objective == "medusa" and bool(args.distill)
     if args.distill:
-        writes = args.objective == "streams-only" or continues
+        writes = args.objective == "streams-only" or continues or medusa_replies
         train_args.distill = _distill_file(args.distill, not writes)
-    if args.objective == "streams-only":
+    if args.objective == "streams-only" or medusa_replies:
         train_args.distill = str(_self_distill(train_args, args))
     elif args.distill and continues:
         train_args.distill = str(_self_distill(train_args, args, adapter=args.init_from))
@@ -280,20 +281,21 @@ def add_parser(sub) -> None:
         help="learn the model's own greedy replies (a self_distill.jsonl, or the streams-only "
         "run directory holding one) instead of the task's references: with --init-from, "
         "the replies of that adapter merged (generated with vLLM into FILE where missing), so "
-        "that its streams learn what it says; with medusa, e.g. the replies a streams-only "
-        "run wrote for the same base",
+        "that its streams learn what it says; with medusa, the --base model's replies "
+        "(those a streams-only run wrote for the same base, or generated into FILE where "
+        "missing). Without vLLM installed, Transformers writes them (on a GPU if there is one)",
     )
     p.add_argument(
         "--distill-max-tokens",
         type=int,
         default=256,
-        help="streams-only and --init-from with --distill: longest reply to learn from",
+        help="streams-only, medusa and --init-from with --distill: longest reply to learn from",
     )
     p.add_argument(
         "--distill-dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="streams-only and --init-from with --distill: dtype of the vLLM engine that "
+        help="streams-only, medusa and --init-from with --distill: dtype of the engine that "
         "writes the replies (that of the deployment)",
     )
     add_field_flags(

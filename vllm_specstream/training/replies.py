@@ -6,6 +6,8 @@ not what the task data says. The streams therefore learn from the base model's g
 replies to the task's prompts, generated here with vLLM (greedy, fp32 by default, the
 prompts tokenised exactly as training tokenises them) and cached as JSONL (``messages``,
 ``completion``) beside the run: a second call generates only the prompts not yet there.
+Where vLLM is not installed (a GPU machine that trains), Transformers writes the same
+greedy replies, on the GPU when there is one.
 A run that continues a task adapter (``--init-from ADAPTER --distill FILE``) learns that
 adapter's replies the same way (the adapter merged into the base writes them): its streams
 learn to draft what it says rather than the references, and a small learning rate keeps its
@@ -41,6 +43,12 @@ class DistillSettings:
     batch_size: int = 128
     """Prompts given to vLLM's engine at once; their replies are appended to the file when
     all of them are done (more per call: fewer steps where only the longest replies run)."""
+    context: int = 2048
+    """Tokens of prompt and reply together; a longer prompt keeps its last tokens, as
+    training keeps them."""
+    batch_tokens: int = 262_144
+    """Without vLLM: prompt tokens padded to the longest of a batch, at most this many per
+    batch (at most 512 prompts): the prefill's memory on a GPU."""
 
 
 def missing_prompts(examples, done: set[str]) -> list:
@@ -75,6 +83,59 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
     if not todo:
         logger.info("Self-distillation: %s has a reply for each of the prompts", path)
         return path
+    if settings.max_tokens >= settings.context:
+        from vllm_specstream.checkpoint.config import ConfigError
+
+        raise ConfigError(
+            f"--distill-max-tokens {settings.max_tokens} leaves no room for a prompt in the "
+            f"replies' context of {settings.context} tokens: ask for fewer reply "
+            f"tokens ({DistillSettings.max_tokens} by default)"
+        )
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        write = _write_with_transformers
+        engine = "Transformers (vLLM is not installed)"
+    else:
+        write = _write_with_vllm
+        engine = "vLLM"
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    logger.info(
+        "Self-distillation: generating the base model's replies to %d prompts with %s (%s, "
+        "greedy, max %d tokens) into %s",
+        len(todo),
+        engine,
+        settings.dtype,
+        settings.max_tokens,
+        path,
+    )
+    started = time.monotonic()
+    # A prompt longer than the context keeps its last tokens, as training keeps them: room is
+    # left for a reply of max_tokens (a Spider schema may be that long).
+    room = settings.context - settings.max_tokens
+    ids = [prompt_ids(tokenizer, m) for m in todo]
+    cut = sum(len(x) > room for x in ids)
+    ids = [x[-room:] for x in ids]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for indices, replies in write(base, ids, settings):
+            for i, reply in zip(indices, replies):
+                text = tokenizer.decode(reply, skip_special_tokens=True)
+                f.write(json.dumps({"messages": todo[i], "completion": text}) + "\n")
+            f.flush()
+    logger.info(
+        "Self-distillation: %d replies written in %.1f min (%d prompts longer than the "
+        "model's context less %d reply tokens kept their last tokens)",
+        len(todo),
+        (time.monotonic() - started) / 60,
+        cut,
+        settings.max_tokens,
+    )
+    return path
+
+
+def _write_with_vllm(base: str, ids: list[list[int]], settings: DistillSettings):
+    """(indices, reply token ids) per batch of ``settings.batch_size`` prompts, from vLLM."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -85,25 +146,7 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
         speculation_binding,
     )
 
-    kwargs = cpu_engine_kwargs(dtype=settings.dtype, seed=0)
-    if settings.max_tokens >= kwargs["max_model_len"]:
-        from vllm_specstream.checkpoint.config import ConfigError
-
-        raise ConfigError(
-            f"--distill-max-tokens {settings.max_tokens} leaves no room for a prompt in the "
-            f"replies' context of {kwargs['max_model_len']} tokens: ask for fewer reply "
-            f"tokens ({DistillSettings.max_tokens} by default)"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    logger.info(
-        "Self-distillation: generating the base model's replies to %d prompts (%s, greedy, "
-        "max %d tokens) into %s",
-        len(todo),
-        settings.dtype,
-        settings.max_tokens,
-        path,
-    )
-    started = time.monotonic()
+    kwargs = {**cpu_engine_kwargs(dtype=settings.dtype, seed=0), "max_model_len": settings.context}
     # vLLM's auto binding keeps one of two cores for its scheduler; writing replies is a batch
     # job of compute-bound prefills, so its worker gets both unless the user chose a binding.
     binding = speculation_binding(os.environ, physical_cores(), 1)
@@ -115,29 +158,56 @@ def distill_replies(base: str, examples, path: Path, settings: DistillSettings) 
         if binding:
             del os.environ[ENV_OMP_BIND]
     params = SamplingParams(temperature=0.0, max_tokens=settings.max_tokens)
-    # A prompt longer than the model's context (a Spider schema may be) keeps its last
-    # tokens, as training keeps them: room is left for a reply of max_tokens.
-    room = llm.llm_engine.model_config.max_model_len - settings.max_tokens
-    cut = 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for start in range(0, len(todo), settings.batch_size):
-            chunk = todo[start : start + settings.batch_size]
-            ids = [prompt_ids(tokenizer, m) for m in chunk]
-            cut += sum(len(x) > room for x in ids)
-            prompts = [TokensPrompt(prompt_token_ids=x[-room:]) for x in ids]
-            outputs = llm.generate(prompts, params, use_tqdm=True)
-            for messages, out in zip(chunk, outputs):
-                reply = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-                f.write(json.dumps({"messages": messages, "completion": reply}) + "\n")
-            f.flush()
+    for start in range(0, len(ids), settings.batch_size):
+        chunk = range(start, min(start + settings.batch_size, len(ids)))
+        prompts = [TokensPrompt(prompt_token_ids=ids[i]) for i in chunk]
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+        yield chunk, [out.outputs[0].token_ids for out in outputs]
     del llm
-    logger.info(
-        "Self-distillation: %d replies written in %.1f min (%d prompts longer than the "
-        "model's context less %d reply tokens kept their last tokens)",
-        len(todo),
-        (time.monotonic() - started) / 60,
-        cut,
-        settings.max_tokens,
-    )
-    return path
+
+
+def _write_with_transformers(base: str, ids: list[list[int]], settings: DistillSettings):
+    """(indices, reply token ids) per batch from Transformers' greedy ``generate``: prompts of
+    similar length batched together, left-padded, on a CUDA GPU when PyTorch sees one."""
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # fp32 means fp32 on a GPU too: TF32 matmuls would change greedy choices.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, settings.dtype))
+    model.to(device).eval()
+    eos = model.generation_config.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos])
+    pad = next(iter(stop))
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    batches, chunk = [], []
+    for i in order:  # ascending length: the newest prompt is the longest of its batch
+        if chunk and (len(chunk) >= 512 or (len(chunk) + 1) * len(ids[i]) > settings.batch_tokens):
+            batches.append(chunk)
+            chunk = []
+        chunk.append(i)
+    batches.append(chunk)
+    bar = tqdm(total=len(ids), desc="replies", unit="prompt")
+    for chunk in batches:
+        width = max(len(ids[i]) for i in chunk)
+        input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk])
+        mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=settings.max_tokens,
+                do_sample=False,
+                eos_token_id=sorted(stop),
+                pad_token_id=pad,
+            )
+        replies = []
+        for row in out[:, width:].tolist():
+            end = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+            replies.append(row[:end])
+        bar.update(len(chunk))
+        yield chunk, replies
+    bar.close()
