@@ -180,6 +180,13 @@ def _write_with_transformers(base: str, ids: list[list[int]], settings: DistillS
     model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, settings.dtype))
     model.to(device).eval()
     eos = model.generation_config.eos_token_id
+    if eos is None:
+        from vllm_specstream.checkpoint.config import ConfigError
+
+        raise ConfigError(
+            f"{base}: no eos_token_id in its generation config, so a reply would never end: "
+            "set it in generation_config.json (the token that ends the assistant's turn)"
+        )
     stop = set(eos if isinstance(eos, list) else [eos])
     pad = next(iter(stop))
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
