@@ -140,15 +140,16 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from vllm_specstream.base_model import prepare_base
+head = None  # the base's lm_head (tied: its embedding), read once
 for config in Path(sys.argv[1]).glob("*/config.json"):
     spec = json.loads(config.read_text())
     weights = config.parent / "model.safetensors"
     tensors = load_file(str(weights)) if spec.get("model_type") == "medusa" else {}
     if tensors and "lm_head.weight" not in tensors:
-        base = prepare_base()
-        with safe_open(str(base / "model.safetensors"), "pt") as f:
-            name = "lm_head.weight" if "lm_head.weight" in f.keys() else "model.embed_tokens.weight"
-            head = f.get_tensor(name)
+        if head is None:
+            with safe_open(str(prepare_base() / "model.safetensors"), "pt") as f:
+                keys = set(f.keys())
+                head = f.get_tensor("lm_head.weight" if "lm_head.weight" in keys else "model.embed_tokens.weight")
         tensors["lm_head.weight"] = head.to(next(iter(tensors.values())).dtype).contiguous()
         save_file(tensors, str(weights), metadata={"format": "pt"})
 PY

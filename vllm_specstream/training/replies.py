@@ -174,9 +174,6 @@ def _write_with_transformers(base: str, ids: list[list[int]], settings: DistillS
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # fp32 means fp32 on a GPU too: TF32 matmuls would change greedy choices.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, settings.dtype))
     model.to(device).eval()
     eos = model.generation_config.eos_token_id
@@ -198,23 +195,30 @@ def _write_with_transformers(base: str, ids: list[list[int]], settings: DistillS
         chunk.append(i)
     batches.append(chunk)
     bar = tqdm(total=len(ids), desc="replies", unit="prompt")
-    for chunk in batches:
-        width = max(len(ids[i]) for i in chunk)
-        input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk])
-        mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),
-                max_new_tokens=settings.max_tokens,
-                do_sample=False,
-                eos_token_id=sorted(stop),
-                pad_token_id=pad,
-            )
-        replies = []
-        for row in out[:, width:].tolist():
-            end = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
-            replies.append(row[:end])
-        bar.update(len(chunk))
-        yield chunk, replies
-    bar.close()
+    # fp32 means fp32 on a GPU too: TF32 matmuls would change greedy choices. Switched off for
+    # the replies only; the training that follows in this process keeps its own setting.
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        for chunk in batches:
+            width = max(len(ids[i]) for i in chunk)
+            input_ids = torch.tensor([[pad] * (width - len(ids[i])) + ids[i] for i in chunk])
+            mask = torch.tensor([[0] * (width - len(ids[i])) + [1] * len(ids[i]) for i in chunk])
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=settings.max_tokens,
+                    do_sample=False,
+                    eos_token_id=sorted(stop),
+                    pad_token_id=pad,
+                )
+            replies = []
+            for row in out[:, width:].tolist():
+                end = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+                replies.append(row[:end])
+            bar.update(len(chunk))
+            yield chunk, replies
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        bar.close()
