@@ -132,3 +132,66 @@ def test_fused_rms_norm_matches_pytorchs(dtype, shape):
         torch.testing.assert_close(
             fused_rms_norm(view, weight, 1e-5), fused_rms_norm(view.contiguous(), weight, 1e-5)
         )
+
+
+class _Linear(torch.nn.Module):
+    """A projection as vLLM's linear layers return it: ``(y, bias)``."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(out_features, in_features))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+def _decoder_layer(hidden: int, intermediate: int) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+    layer.self_attn.qkv_proj = _Linear(3 * hidden, hidden)
+    layer.self_attn.o_proj = _Linear(hidden, hidden)
+    layer.mlp.gate_up_proj = _Linear(2 * intermediate, hidden)
+    layer.mlp.down_proj = _Linear(hidden, intermediate)
+    return layer
+
+
+@needs_bf16_gemm
+def test_stream_rows_get_the_stream_lora_once_with_bf16_copies_or_vllms_modules():
+    """A streams-only checkpoint's stream rows compute ``W x + B A x`` in every projection:
+    with the bf16 copies (the delta merged into them) as with vLLM's modules (the delta
+    added per call); a delta left out or added twice is off by far more than bf16's error."""
+    from types import SimpleNamespace
+
+    from vllm_specstream.checkpoint.config import STREAM_LORA_STAGES, stream_lora_name
+    from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
+    from vllm_specstream.model_executor.stream_weights import StreamWeights, layer_linears
+
+    torch.manual_seed(0)
+    layers = [_decoder_layer(64, 96) for _ in range(2)]
+    tensors = {}
+    for i, layer in enumerate(layers):
+        for stage, module in zip(STREAM_LORA_STAGES, layer_linears(layer)):
+            out_features, in_features = module.weight.shape
+            tensors[stream_lora_name(i, stage, "a")] = torch.randn(4, in_features)
+            tensors[stream_lora_name(i, stage, "b")] = torch.randn(out_features, 4)
+    lora = StreamLoRAWeights(tensors.__getitem__, SimpleNamespace(num_msa_layers=len(layers)))
+    packed = build_stream_weights(
+        layers,
+        torch.randn(32, 64),
+        mode="bfloat16",
+        platform_is_cpu=True,
+        model_dtype=torch.float32,
+        tp_size=1,
+        stream_delta=lora.dense,
+    )
+    assert packed is not None
+    for weights in (lora.wrap(packed), lora.wrap(StreamWeights.of_modules(layers))):
+        for i, (matmuls, layer) in enumerate(zip(weights.layers, layers)):
+            for run, module, stage in zip(
+                matmuls.matmuls(), layer_linears(layer), STREAM_LORA_STAGES
+            ):
+                a = tensors[stream_lora_name(i, stage, "a")]
+                b = tensors[stream_lora_name(i, stage, "b")]
+                x = torch.randn(3, module.weight.shape[1])
+                want = x @ (module.weight + b @ a).T
+                torch.testing.assert_close(run(x), want, atol=0.5, rtol=0.02)

@@ -54,6 +54,7 @@ from vllm_specstream.model_executor.forward_batch import (
 from vllm_specstream.model_executor.fused_streams import FusedStreams
 from vllm_specstream.model_executor.lora.adapter_streams import Deployment
 from vllm_specstream.model_executor.lora.lora_streams import base_logits_processor
+from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
@@ -319,6 +320,7 @@ class SpecStreamMixin:
             )
         if self.num_speculative_tokens > 0:
             # Now, before vLLM post-processes (prepacks and drops) the linear weights.
+            stream_lora = StreamLoRAWeights.of(self.specstream, self.spec_config)
             self._stream_weights = build_stream_weights(
                 list(self.model.layers)[self.first_msa_layer :],
                 self._lm_head_weight(),
@@ -326,6 +328,7 @@ class SpecStreamMixin:
                 platform_is_cpu=current_platform.is_cpu(),
                 model_dtype=self._model_dtype,
                 tp_size=self._tp_size,
+                stream_delta=stream_lora.dense if stream_lora is not None else None,
             )
             self._load_draft_vocab()
         return loaded

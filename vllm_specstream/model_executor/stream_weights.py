@@ -33,11 +33,15 @@ from torch import nn
 
 from vllm_specstream.logger import init_logger
 from vllm_specstream.machine import native_bf16
+from vllm_specstream.streams.stream_layer import PROJECTIONS
 
 logger = init_logger(__name__)
 
 Tensor = torch.Tensor
 Matmul = Callable[[Tensor], Tensor]
+#: The dense delta ``B @ A`` (``[out, in]``) a streams-only checkpoint adds to projection
+#: ``stage`` of MSA layer ``index`` for the stream rows (``(index, stage)``), or None.
+StreamDelta = Callable[[int, str], Tensor]
 
 
 def onednn_available() -> bool:
@@ -152,7 +156,8 @@ def module_matmul(module: nn.Module) -> Matmul:
 
 
 def layer_linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    """A decoder layer's four projections, in :class:`LayerMatmuls` field order."""
+    """A decoder layer's four projections, in :class:`LayerMatmuls` field order (that of
+    :data:`~vllm_specstream.streams.stream_layer.PROJECTIONS`)."""
     attn, mlp = layer.self_attn, layer.mlp
     return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
@@ -175,10 +180,18 @@ class LayerMatmuls:
         return self.qkv, self.o, self.gate_up, self.down
 
     @classmethod
-    def packed(cls, layer: nn.Module) -> LayerMatmuls:
-        """bf16 copies of a layer's (loaded, not yet post-processed) weights."""
+    def packed(cls, layer: nn.Module, deltas: tuple[Tensor | None, ...] = ()) -> LayerMatmuls:
+        """bf16 copies of a layer's (loaded, not yet post-processed) weights, each plus its
+        stream delta where ``deltas`` (one per projection) has one."""
+        deltas = deltas or (None,) * 4
         return cls(
-            *(PackedLinear(m.weight, getattr(m, "bias", None)) for m in layer_linears(layer))
+            *(
+                PackedLinear(
+                    m.weight if d is None else m.weight.float() + d.float(),
+                    getattr(m, "bias", None),
+                )
+                for m, d in zip(layer_linears(layer), deltas, strict=True)
+            )
         )
 
 
@@ -198,14 +211,27 @@ class StreamWeights:
 
     layers: list[LayerMatmuls]
     lm_head: Matmul | None = None
+    stream_delta_merged: bool = False
+    """Whether the copies' weights already hold the checkpoint's stream delta (``W + B A``):
+    a streams-only checkpoint's stream LoRA then costs no matmuls of its own."""
 
     @classmethod
     def of_modules(cls, layers: list[nn.Module]) -> StreamWeights:
         return cls([LayerMatmuls.of_modules(layer) for layer in layers])
 
     @classmethod
-    def pack(cls, layers: list[nn.Module], lm_head_weight: Tensor) -> StreamWeights:
-        return cls([LayerMatmuls.packed(layer) for layer in layers], PackedLinear(lm_head_weight))
+    def pack(
+        cls, layers: list[nn.Module], lm_head_weight: Tensor, delta: StreamDelta | None = None
+    ) -> StreamWeights:
+        """bf16 copies of the MSA ``layers`` and the LM head, with ``delta`` merged into the
+        projections' weights where given."""
+        packed = [
+            LayerMatmuls.packed(
+                layer, tuple(delta(i, stage) for stage in PROJECTIONS) if delta else ()
+            )
+            for i, layer in enumerate(layers)
+        ]
+        return cls(packed, PackedLinear(lm_head_weight), stream_delta_merged=delta is not None)
 
 
 def build_stream_weights(
@@ -216,9 +242,13 @@ def build_stream_weights(
     platform_is_cpu: bool,
     model_dtype: torch.dtype,
     tp_size: int,
+    stream_delta: StreamDelta | None = None,
 ) -> StreamWeights | None:
     """bf16 copies for the stream pass if ``mode`` (field ``stream_dtype``) and the
-    machine call for them and the weights are plain tensors; ``None`` keeps vLLM's modules."""
+    machine call for them and the weights are plain tensors; ``None`` keeps vLLM's modules.
+    ``stream_delta``: a streams-only checkpoint's stream LoRA, merged into the copies (its
+    two small matmuls per projection and row batch cost more than the projection itself
+    for a few rows on a CPU)."""
     if not all(hasattr(x, "self_attn") for x in layers):
         return None  # a pipeline-parallel rank without the MSA layers runs no streams
     reason = packed_reason(mode, platform_is_cpu, model_dtype, tp_size)
@@ -237,11 +267,12 @@ def build_stream_weights(
         else:
             logger.info("specstream stream pass in the model's dtype (%s)", reason)
         return None
-    weights = StreamWeights.pack(layers, lm_head_weight)
+    weights = StreamWeights.pack(layers, lm_head_weight, stream_delta)
     logger.info(
-        "specstream stream pass in bf16: prepacked copies of %d layers and the LM head "
+        "specstream stream pass in bf16: prepacked copies of %d layers%s and the LM head "
         "(drafts only; outputs stay the model's; stream_dtype=model turns it off)",
         len(layers),
+        " (stream LoRA merged)" if stream_delta is not None else "",
     )
     return weights
 

@@ -50,8 +50,17 @@ class StreamLoRAWeights:
         a, b = self.layers[index][stage]
         return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype))
 
+    def dense(self, index: int, stage: str) -> Tensor:
+        """``B @ A`` of ``stage`` in MSA layer ``index`` (``[out, in]``, fp32): the delta as
+        a weight, merged into the stream pass's bf16 copies."""
+        a, b = self.layers[index][stage]
+        return b.float() @ a.float()
+
     def wrap(self, weights: StreamWeights) -> StreamWeights:
-        """``weights`` (the second pass's matmuls) with the delta added to each projection."""
+        """``weights`` (the second pass's matmuls) with the delta added to each projection,
+        unless their copies hold it already."""
+        if weights.stream_delta_merged:
+            return weights
 
         def with_delta(base: Matmul, index: int, stage: str) -> Matmul:
             def run(x: Tensor) -> Tensor:
