@@ -17,6 +17,9 @@ INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 #: Drafts in the served dtype, as the training implementation computes them.
 SAME_DRAFTS = {"stream_dtype": "model"}
 REQUESTS = [{"prompt": r["prompt"], "max_tokens": 16} for r in make_requests(3, seed=1)]
+#: The CLI's replies engine with a KV cache of 1 GiB: vLLM's automatic size (a share of the
+#: machine's memory) fails at start-up while other tests' engines hold memory.
+SMALL_KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -99,19 +102,33 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
         "--dtype",
         "fp32",
     ]
-    first = subprocess.run([*cmd, "--steps", "1"], capture_output=True, text=True, timeout=600)
+    first = subprocess.run(
+        [*cmd, "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **SMALL_KV},
+    )
     assert first.returncode == 0, first.stderr[-4000:]
     assert "(1 prompts longer than the model's context" in first.stdout + first.stderr
     records = [json.loads(x) for x in (out / "self_distill.jsonl").read_text().splitlines()]
     assert len(records) == 8 and all(r["messages"][-1]["role"] == "user" for r in records)
     assert all(r["completion"] for r in records)  # 12 tokens of a random model: never empty
-    again = subprocess.run([*cmd, "--steps", "2"], capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [*cmd, "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **SMALL_KV},
+    )
     assert again.returncode == 0, again.stderr[-4000:]
     assert "has a reply for each of the prompts" in again.stdout + again.stderr
     assert len((out / "self_distill.jsonl").read_text().splitlines()) == 8
     cmd[cmd.index(str(out))] = str(tmp_path / "too-long")
     cmd[cmd.index("--distill-max-tokens") + 1] = "2048"
-    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    refused = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **SMALL_KV}
+    )
     assert refused.returncode != 0
     assert "--distill-max-tokens 2048 leaves no room" in refused.stderr.strip().splitlines()[-1]
 
@@ -186,7 +203,11 @@ def test_medusa_heads_learn_the_replies_written_with_or_without_vllm(base_model_
         cmd += ["--num-streams", "2", "--distill-max-tokens", "24", "--batch-size", "2"]
         cmd += ["--max-length", "128", "--dtype", "fp32", "--steps", "1"]
         done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, **SMALL_KV, **(env or {})},
         )
         assert done.returncode == 0, done.stderr[-4000:]
         assert (tmp_path / out / "model.safetensors").is_file()
