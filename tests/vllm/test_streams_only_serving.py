@@ -102,33 +102,25 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
         "--dtype",
         "fp32",
     ]
-    first = subprocess.run(
-        [*cmd, "--steps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **SMALL_KV},
-    )
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            args, capture_output=True, text=True, timeout=600, env={**os.environ, **SMALL_KV}
+        )
+
+    first = run([*cmd, "--steps", "1"])
     assert first.returncode == 0, first.stderr[-4000:]
     assert "(1 prompts longer than the model's context" in first.stdout + first.stderr
     records = [json.loads(x) for x in (out / "self_distill.jsonl").read_text().splitlines()]
     assert len(records) == 8 and all(r["messages"][-1]["role"] == "user" for r in records)
     assert all(r["completion"] for r in records)  # 12 tokens of a random model: never empty
-    again = subprocess.run(
-        [*cmd, "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **SMALL_KV},
-    )
+    again = run([*cmd, "--steps", "2"])
     assert again.returncode == 0, again.stderr[-4000:]
     assert "has a reply for each of the prompts" in again.stdout + again.stderr
     assert len((out / "self_distill.jsonl").read_text().splitlines()) == 8
     cmd[cmd.index(str(out))] = str(tmp_path / "too-long")
     cmd[cmd.index("--distill-max-tokens") + 1] = "2048"
-    refused = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **SMALL_KV}
-    )
+    refused = run(cmd)
     assert refused.returncode != 0
     assert "--distill-max-tokens 2048 leaves no room" in refused.stderr.strip().splitlines()[-1]
 
