@@ -136,9 +136,13 @@ def generate(
         for r in requests
     ]
     loras = _lora_requests(requests)
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
     outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False, **loras)
+    # Graphs torch.compile made while serving (engine in this process: IN_PROCESS_ENV).
+    inspected = {"graphs_compiled_serving": counters["stats"]["unique_graphs"] - graphs}
     per_request = [o.outputs[0].spec_decode_metrics for o in outs]
-    inspected = {}
     if follow_up:
         # Each prompt and its output again, continued by ``follow_up`` tokens with their
         # logprobs: with prefix caching, the full blocks come from the cache the first run

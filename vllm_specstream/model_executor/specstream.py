@@ -269,6 +269,17 @@ class SpecStreamMixin:
         if placement == "window" and self._eager and self._fused is None:
             self._fused = FusedStreams(self._stream_runner())
             logger.info("specstream window placement: stream rows ride along the main forward")
+        if not self._eager:
+            # Here, with vLLM's own compilation (the model is loaded and final), not at the
+            # first request.
+            seconds = self._stream_runner().compile()
+            if seconds:
+                logger.info(
+                    "specstream compiled the stream pass in %.1f s (graphs shared by its %d "
+                    "layers, for every batch and stream count)",
+                    seconds,
+                    self.spec_config.num_msa_layers,
+                )
 
     def adapter_stream_deployment(self) -> Deployment:
         """What each LoRA adapter's streams must fit (read where vLLM loads an adapter:
@@ -290,7 +301,11 @@ class SpecStreamMixin:
     def _stream_runner(self) -> StreamRunner:
         if self._runner is None:
             self._runner = StreamRunner(
-                self, self.specstream, self.spec_config, self._stream_weights
+                self,
+                self.specstream,
+                self.spec_config,
+                self._stream_weights,
+                compiled=not self._eager and current_platform.is_cpu(),
             )
         return self._runner
 

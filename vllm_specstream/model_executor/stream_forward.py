@@ -16,9 +16,13 @@ copies (:mod:`vllm_specstream.model_executor.stream_weights`).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
+import torch.fx.experimental._config
 from torch import nn
 
 from vllm_specstream.checkpoint.config import SpecStreamConfig
@@ -28,7 +32,12 @@ from vllm_specstream.model_executor.lora.lora_streams import StreamLoRA, first_l
 from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout
 from vllm_specstream.model_executor.stream_weights import StreamWeights, fused_rms_norm
-from vllm_specstream.streams.stream_layer import StreamLayer, run_layer, stream_layer
+from vllm_specstream.streams.stream_layer import (
+    StreamLayer,
+    StreamProjections,
+    layer_forward,
+    stream_layer,
+)
 from vllm_specstream.streams.stream_math import (
     anchor_main_mask,
     init_streams,
@@ -121,8 +130,6 @@ class StreamStart:
     """:func:`~vllm_specstream.streams.stream_math.joint_attention_mask` of the pass."""
     kv_index: tuple[Tensor, Tensor, int]
     """Flat cache indices of the main keys/values the streams read."""
-    context_len: int
-    """Main key positions read per request."""
 
 
 class StreamRunner:
@@ -136,6 +143,7 @@ class StreamRunner:
         params: StreamParams,
         config: SpecStreamConfig,
         weights: StreamWeights | None = None,
+        compiled: bool = False,
     ):
         self.model = model  # the SpecStream*ForCausalLM (has .model.layers, .model.norm)
         self.params = params
@@ -173,6 +181,14 @@ class StreamRunner:
         self.stream_lora = StreamLoRAWeights.of(params, config)
         if self.stream_lora is not None:  # never with LoRA: the model refuses that at init
             self.weights = self.stream_lora.wrap(self.weights)
+        #: One MSA layer of a pass: compiled where vLLM compiles the decoder (one graph,
+        #: shared by every MSA layer, fuses the ~30 small ops between the matmuls), except
+        #: for per-request (LoRA) or per-layer (unmerged stream LoRA) deltas, which stay eager.
+        deltas = self.lora is not None or (
+            self.stream_lora is not None and not self.weights.stream_delta_merged
+        )
+        use_compiled = compiled and not deltas
+        self._msa_layer = compiled_msa_layer() if use_compiled else msa_layer
 
     def main_kv_index(self, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor, int]:
         """Flat cache indices of the main keys/values of positions ``context`` (``[R, P]``),
@@ -181,18 +197,20 @@ class StreamRunner:
         kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
         layout = PagedKVLayout.of_cache(kv_cache, attn.isa)
         k_idx, v_idx = layout.position_indices(kv_cache.shape[1], batch.block_table, context)
-        return k_idx, v_idx, kv_cache.shape[1]
+        shape = (*context.shape, *k_idx.shape[1:])  # [R, P, K, D]
+        return k_idx.view(shape), v_idx.view(shape), kv_cache.shape[1]
 
-    def main_kv(
-        self, layer, index: tuple[Tensor, Tensor, int], r: int, p: int
-    ) -> tuple[Tensor, Tensor]:
-        """Main keys/values ``[R, K, P, D]`` of one layer at the flat ``index``."""
+    @staticmethod
+    def layer_cache(layer) -> Tensor:
+        """A decoder layer's paged KV cache (:class:`PagedKVLayout`)."""
         attn = layer.self_attn.attn
-        kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-        k_idx, v_idx, heads = index
-        k = torch.take(kv_cache, k_idx).view(r, p, heads, -1).transpose(1, 2)
-        v = torch.take(kv_cache, v_idx).view(r, p, heads, -1).transpose(1, 2)
-        return k, v
+        return attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+
+    @staticmethod
+    def main_kv(cache: Tensor, index: tuple[Tensor, Tensor, int]) -> tuple[Tensor, Tensor]:
+        """Main keys/values ``[R, K, P, D]`` in a layer's ``cache`` at the flat ``index``."""
+        k_idx, v_idx, _ = index
+        return torch.take(cache, k_idx).transpose(1, 2), torch.take(cache, v_idx).transpose(1, 2)
 
     def anchors_with_streams(self, batch: ForwardBatch, anchors: Tensor) -> Tensor:
         """``anchors`` (``[R, A]``) with -1 for requests that have no streams: under
@@ -241,7 +259,6 @@ class StreamRunner:
             flat_pos=flat_pos,
             mask=joint_attention_mask(main_mask, g),
             kv_index=self.main_kv_index(batch, context),
-            context_len=p_max,
         )
 
     @staticmethod
@@ -257,19 +274,31 @@ class StreamRunner:
         q, k = attn.rotary_emb(flat_pos, q, k)
         return q, k, v
 
-    def attend(self, layer, q: Tensor, k: Tensor, v: Tensor, start: StreamStart) -> Tensor:
+    def attend(
+        self,
+        layer,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        start: StreamStart,
+        cache: Tensor | None = None,
+    ) -> Tensor:
         """Multi-stream attention of the stream rows in ``layer`` over the main keys/values
-        in the paged cache and their own anchor's streams; ``[N, heads * head_dim]``, the
-        input of ``o_proj``."""
+        in its paged ``cache`` (None: the layer's) and their own anchor's streams;
+        ``[N, heads * head_dim]``, the input of ``o_proj``."""
         attn = layer.self_attn
         h_q, h_kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        r, a, g = start.shape[:3]
-        q = q.reshape(r, a * g, h_q, d).transpose(1, 2)
-        k = k.reshape(r, a * g, h_kv, d).transpose(1, 2)
-        v = v.reshape(r, a * g, h_kv, d).transpose(1, 2)
-        k_main, v_main = self.main_kv(layer, start.kv_index, r, start.context_len)
+        # Sizes from the tensors, not from Python ints: a compiled pass then keeps requests,
+        # anchors and streams symbolic instead of compiling again for each count.
+        r, ag = start.mask.shape[:2]
+        q = q.view(r, ag, h_q, d).transpose(1, 2)
+        k = k.view(r, ag, h_kv, d).transpose(1, 2)
+        v = v.view(r, ag, h_kv, d).transpose(1, 2)
+        if cache is None:
+            cache = self.layer_cache(layer)
+        k_main, v_main = self.main_kv(cache, start.kv_index)
         o = joint_stream_attention(q, k_main, v_main, k, v, start.mask, attn.scaling)
-        return o.transpose(1, 2).reshape(r * a * g, h_q * d)
+        return o.transpose(1, 2).reshape(r * ag, h_q * d)
 
     def layer(self, index: int, s: Tensor, start: StreamStart) -> StreamLayer:
         """The stream rows ``s`` through MSA layer ``index`` of the pass ``start``, as
@@ -284,9 +313,68 @@ class StreamRunner:
         (see :meth:`start`)."""
         start = self.start(msa_input, batch, anchors, num_streams)
         s = start.s
-        for i, mm in enumerate(self.weights.layers):
-            s = run_layer(self.layer(i, s, start), mm)
+        for layer, mm in zip(self.layers, self.weights.layers, strict=True):
+            s = self._msa_layer(self, layer, mm, s, start, self.layer_cache(layer))
         return rms_norm(s, self.model.model.norm).view(start.shape)
+
+    def compile(self) -> float:
+        """Compile :func:`msa_layer` for this model now (seconds taken; 0: it runs eagerly),
+        on stand-in rows of each shape class in :data:`COMPILED_SHAPES`, so that no request
+        waits for a compilation."""
+        if self._msa_layer is msa_layer:
+            return 0.0
+        layer, mm = self.layers[0], self.weights.layers[0]
+        attn = layer.self_attn
+        dtype = layer.input_layernorm.weight.dtype
+        heads, d, p = attn.num_kv_heads, attn.head_dim, 7
+        began = time.perf_counter()
+        # Grad mode and inference tensors are part of a graph's guards: stand-ins made and
+        # run as vLLM runs a step (the cache as vLLM allocates it, outside inference mode).
+        cache = torch.zeros(5, heads, 16, 2 * d, dtype=dtype)  # [blocks, K, block size, 2D]
+        # A symbol of its own for every size: with "equal sizes are one size", a stand-in
+        # size equal to a model dimension would be fixed to it.
+        with torch.inference_mode(), torch.fx.experimental._config.patch(use_duck_shape=False):
+            for r, ag in COMPILED_SHAPES:
+                index = torch.zeros(r, p, heads, d, dtype=torch.long)
+                s = torch.zeros(r * ag, self.model.config.hidden_size, dtype=dtype)
+                start = StreamStart(
+                    s=s,
+                    shape=torch.Size((r, 1, ag, s.shape[1])),
+                    flat_pos=torch.arange(r * ag),
+                    mask=torch.ones(r, ag, p + ag, dtype=torch.bool),
+                    kv_index=(index, index.clone(), heads),
+                )
+                self._msa_layer(self, layer, mm, s, start, cache)
+        return time.perf_counter() - began
+
+
+#: (requests, stream rows per request) of the stand-ins :meth:`StreamRunner.compile` compiles
+#: on. A compiled graph holds for a size of 1 or for every size from 2 up (sizes of 1 give
+#: faster kernels: 12.5 against 14.2 ms a pass at batch 1, traced size-obliviously), so
+#: these four cover every batch and stream count; context lengths are symbolic throughout.
+COMPILED_SHAPES = ((1, 2), (1, 1), (2, 2), (2, 1))
+
+
+def msa_layer(
+    runner: StreamRunner,
+    layer: nn.Module,
+    mm: StreamProjections,
+    s: Tensor,
+    start: StreamStart,
+    cache: Tensor,
+) -> Tensor:
+    """The stream rows ``s`` of the pass ``start`` through the MSA ``layer`` (projections
+    ``mm``, paged KV cache ``cache``)."""
+    return layer_forward(s, VllmStreamOps(runner, layer, start, cache), mm)
+
+
+@cache
+def compiled_msa_layer() -> Callable:
+    """:func:`msa_layer` under ``torch.compile``. What differs between the MSA layers (the
+    layer's modules, its weights' handles, its KV cache) is an input and every size
+    is symbolic, so one graph serves every layer, request count, stream count and context
+    length (:meth:`StreamRunner.compile`; ``tests/vllm/test_compiled_streams.py``)."""
+    return torch.compile(msa_layer, dynamic=True)
 
 
 @dataclass
@@ -297,6 +385,8 @@ class VllmStreamOps:
     runner: StreamRunner
     layer: nn.Module
     start: StreamStart
+    cache: Tensor | None = None
+    """The layer's paged KV cache (None: read from the layer)."""
 
     def input_norm(self, s: Tensor) -> Tensor:
         return rms_norm(s, self.layer.input_layernorm)
@@ -305,7 +395,7 @@ class VllmStreamOps:
         return self.runner.rotated_qkv(self.layer, qkv, self.start.flat_pos)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return self.runner.attend(self.layer, q, k, v, self.start)
+        return self.runner.attend(self.layer, q, k, v, self.start, self.cache)
 
     def post_norm(self, s: Tensor) -> Tensor:
         return rms_norm(s, self.layer.post_attention_layernorm)

@@ -99,9 +99,11 @@ def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     On a CPU, vLLM's fused kernel: PyTorch's ``rms_norm`` runs there as about six small ops,
     each paying the OpenMP fork-join of the engine's threads (~65 us for 4 rows inside a
     2-thread engine, against ~3 us for the kernel), and a stream pass runs two norms a layer.
-    Elsewhere (or for a dtype the kernel lacks) PyTorch's."""
+    Elsewhere (or for a dtype the kernel lacks), and under ``torch.compile`` (which fuses
+    PyTorch's with the ops around it), PyTorch's."""
     w = weight.to(x.dtype)
-    kernel = _rms_norm_kernel(x.dtype) if x.is_cpu and x.numel() else None
+    eager_cpu = x.is_cpu and not torch.compiler.is_compiling()
+    kernel = _rms_norm_kernel(x.dtype) if eager_cpu and x.numel() else None
     if kernel is None:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
     rows = x.reshape(-1, x.shape[-1]).contiguous()

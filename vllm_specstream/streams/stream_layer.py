@@ -85,6 +85,14 @@ def stream_layer(s: Tensor, ops: StreamLayerOps) -> StreamLayer:
     return s
 
 
+def layer_forward(s: Tensor, ops: StreamLayerOps, projections: StreamProjections) -> Tensor:
+    """:func:`stream_layer`'s steps in one straight call, with ``projections`` computed on
+    their own: the form a compiler traces as one graph (it cannot trace a generator)."""
+    q, k, v = ops.rotate(projections.qkv(ops.input_norm(s)))
+    s = s + projections.o(ops.attend(q, k, v))
+    return s + projections.down(ops.act(projections.gate_up(ops.post_norm(s))))
+
+
 def run_layer(layer: StreamLayer, projections: StreamProjections) -> Tensor:
     """Drive ``layer`` with ``projections`` computed on their own (the main keys/values are
     already readable); returns the stream states leaving the layer."""
