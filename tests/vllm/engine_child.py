@@ -106,12 +106,14 @@ def generate(
     spec_options: dict | None = None,
     adaptive: bool = False,
     fields: dict | None = None,
+    compare_layers: bool = False,
 ) -> dict:
     """Greedy outputs of ``requests`` (``"lora"``: an adapter directory, with
     ``enable_lora`` in ``engine``); with ``k``, drafting at every batch size (these runs
     check losslessness, not the policy) or, with ``adaptive``, as the policy chooses
     (``spec_options``: further ``speculative_config`` fields, e.g. a schedule; ``fields``:
-    the plugin's), and per-request speculation metrics."""
+    the plugin's), and per-request speculation metrics. ``compare_layers``: also
+    :func:`_compare_stream_layers` (``"layers"``)."""
     from vllm import SamplingParams
 
     extra = {"per_request_spec_decode_metrics": "summary"} if k else {}
@@ -165,6 +167,8 @@ def generate(
         from vllm_specstream.model_executor.trees.step import tree_stats
 
         inspected["trees"] = llm.apply_model(tree_stats)[0]
+    if compare_layers:
+        inspected["layers"] = llm.apply_model(_compare_stream_layers)[0]
     return {
         **inspected,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
@@ -172,6 +176,44 @@ def generate(
         "metrics": _metrics(llm, "spec_decode", "preemptions"),
         "per_request": [m.to_dict() if m else None for m in per_request],
     }
+
+
+def _compare_stream_layers(model) -> dict:
+    """The stream pass's layer function (compiled in a compiled engine) against the eager
+    one, per MSA layer, on the same random stand-in rows, main keys/values and cache: the
+    largest difference over the eager output's largest value, and the same against the next
+    layer's eager output (what a graph on another layer's weights would give)."""
+    import torch
+
+    from vllm_specstream.model_executor.stream_forward import StreamStart, msa_layer
+    from vllm_specstream.streams.stream_math import joint_attention_mask
+
+    runner = model._stream_runner()
+    torch.manual_seed(0)
+    attn = runner.layers[0].self_attn
+    r, g, p, heads, d = 2, 3, 9, attn.num_kv_heads, attn.head_dim
+    dtype = runner.layers[0].input_layernorm.weight.dtype
+    cache = torch.randn(4, heads, 16, 2 * d, dtype=dtype)  # as vLLM's: outside inference mode
+    pairs = list(zip(runner.layers, runner.weights.layers, strict=True))
+    same, other = [], []
+    with torch.inference_mode():
+        index = torch.randint(0, cache.numel(), (r, p, heads, d))
+        s = torch.randn(r * g, model.config.hidden_size, dtype=dtype)
+        start = StreamStart(
+            s=s,
+            shape=torch.Size((r, 1, g, s.shape[1])),
+            flat_pos=torch.randint(0, 64, (r * g,)),
+            mask=joint_attention_mask(torch.ones(r, 1, p, dtype=torch.bool), g),
+            kv_index=(index, torch.randint(0, cache.numel(), index.shape), heads),
+        )
+        for i, (layer, mm) in enumerate(pairs):
+            out = runner._msa_layer(runner, layer, mm, s, start, cache)
+            eager = msa_layer(runner, layer, mm, s, start, cache)
+            nxt = msa_layer(runner, *pairs[(i + 1) % len(pairs)], s, start, cache)
+            scale = float(eager.abs().max())
+            same.append(float((out - eager).abs().max()) / scale)
+            other.append(float((out - nxt).abs().max()) / scale)
+    return {"compiled": runner._msa_layer is not msa_layer, "same": same, "other": other}
 
 
 def probe(

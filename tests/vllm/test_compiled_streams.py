@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from engine_child import run_child
-from test_specstream_engine import make_requests
+from test_specstream_engine import INSPECT_ENV, make_requests
 
 pytestmark = pytest.mark.engine
 
@@ -16,18 +16,29 @@ COMPILED = {"enforce_eager": False}
 SCHEDULE = [[1, 1, 3], [2, 5, 1], [6, 1024, 3]]
 
 
+REQUESTS = make_requests(24, seed=11)
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_merged):
-    requests = make_requests(24, seed=11)
-    plain, _ = run_child("generate", ckpt=str(tiny_merged), k=0, engine=COMPILED, requests=requests)
+def plain(tiny_merged):
+    return run_child("generate", ckpt=str(tiny_merged), k=0, engine=COMPILED, requests=REQUESTS)[0]
+
+
+#: The stream pass's matmuls: bf16 copies where this CPU has them (else vLLM's modules, as
+#: "model"), and vLLM's modules.
+@pytest.fixture(scope="module", params=["auto", "model"])
+def runs(request, tiny_merged, plain):
     spec, out = run_child(
         "generate",
         ckpt=str(tiny_merged),
         k=3,
         engine=COMPILED,
-        requests=requests,
+        requests=REQUESTS,
         placement="accepted",
         spec_options={"num_speculative_tokens_per_batch_size": SCHEDULE},
+        fields={"stream_dtype": request.param},
+        compare_layers=True,
+        env=INSPECT_ENV,
     )
     return plain, spec, out.stdout + out.stderr
 
@@ -42,3 +53,12 @@ def test_the_stream_pass_compiles_at_load_and_never_while_serving(runs):
     _, spec, log = runs
     assert "specstream compiled the stream pass" in log
     assert spec["graphs_compiled_serving"] == 0
+
+
+def test_each_compiled_layer_computes_its_own_layer(runs):
+    """One graph serves every MSA layer: each must still read its own layer's weights,
+    norms and cache (the streams' drafts, not the outputs, would show it)."""
+    layers = runs[1]["layers"]
+    assert layers["compiled"]
+    assert max(layers["same"]) < 0.02, layers
+    assert min(layers["other"]) > 0.1, layers
