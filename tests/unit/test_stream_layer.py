@@ -8,6 +8,7 @@ from vllm_specstream.streams.stream_layer import (
     ATTEND,
     PROJECTIONS,
     STAGES,
+    layer_forward,
     run_layer,
     stream_layer,
 )
@@ -104,6 +105,16 @@ def test_run_layer_equals_the_layer_written_out():
     with torch.no_grad():
         got = run_layer(stream_layer(s, RecordingOps()), mm)
         want = written_out(s, RecordingOps(), mm)
+    assert torch.equal(got, want)
+
+
+def test_the_straight_layer_equals_the_generator():
+    """The compiled pass's straight layer and the generator the fused pass and training
+    drive must not drift apart."""
+    s, mm = torch.randn(3, 4, H), linears()
+    with torch.no_grad():
+        got = layer_forward(s, RecordingOps(), mm)
+        want = run_layer(stream_layer(s, RecordingOps()), mm)
     assert torch.equal(got, want)
 
 

@@ -193,9 +193,8 @@ class StreamRunner:
     def main_kv_index(self, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor, int]:
         """Flat cache indices of the main keys/values of positions ``context`` (``[R, P]``),
         shared by all MSA layers (their caches have one shape and layout)."""
-        attn = self.layers[0].self_attn.attn
-        kv_cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-        layout = PagedKVLayout.of_cache(kv_cache, attn.isa)
+        kv_cache = self.layer_cache(self.layers[0])
+        layout = PagedKVLayout.of_cache(kv_cache, self.layers[0].self_attn.attn.isa)
         k_idx, v_idx = layout.position_indices(kv_cache.shape[1], batch.block_table, context)
         shape = (*context.shape, *k_idx.shape[1:])  # [R, P, K, D]
         return k_idx.view(shape), v_idx.view(shape), kv_cache.shape[1]

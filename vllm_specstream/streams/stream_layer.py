@@ -8,7 +8,8 @@ projections are computed and in the layer-specific steps of :class:`StreamLayerO
 :func:`stream_layer` is a generator: it yields each request ``(stage, rows)`` and is sent
 the result, so that a caller may compute a projection on its own (:func:`run_layer`) or
 inside a call that also carries the main rows (the fused pass of
-:mod:`vllm_specstream.model_executor.fused_streams`). Pure PyTorch, no vLLM import.
+:mod:`vllm_specstream.model_executor.fused_streams`). :func:`layer_forward` is the same steps
+as one straight call, for a compiled pass. Pure PyTorch, no vLLM import.
 """
 
 from __future__ import annotations
