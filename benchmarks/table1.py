@@ -2,9 +2,9 @@
 method (speedup at batch 1, call reduction, task metric, extra parameters), beside the
 paper's OPT-1.3b call reductions, as Markdown and a plot.
 
-Reads, per task and CPU class, the ``bench.json`` of one ``specstream bench`` run,
-``benchmarks/results/<task>/<cpu-class>/bench.json`` (:attr:`Task.runs`: the run with the
-engine on both cores and every method beside specstream) and the ``eval-<model>.json`` files
+Reads, per task and CPU class, the ``bench.json`` of its ``specstream bench`` runs under
+``benchmarks/results/<task>/<cpu-class>/`` (:attr:`Task.runs`: runs with the engine on both
+cores and the methods beside specstream; AVX512-BF16: vLLM's compiled mode) and the ``eval-<model>.json`` files
 of ``specstream eval`` on the same validation split, from the bench run's directory, else the
 served adapter's (:attr:`Task.evals`), else the task's (``benchmarks/results/<task>/``):
 ``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
@@ -41,26 +41,57 @@ class Task:
     paper_cr: float
     """The paper's call reduction for OPT-1.3b with tree drafts (its Table 1)."""
     runs: tuple[tuple[str, str], ...] = (("avx2", "bench.json"),)
-    """``(CPU class, bench run)`` pairs: the run of each class's table, relative to the task's
-    results directory."""
+    """``(CPU class, bench run)`` pairs: the runs of each class's table, relative to the task's
+    results directory. A class with several runs takes each method's row from the first run
+    that has it (every speedup is against the plain engine of its own run)."""
     evals: str = ""
     """Where the served adapter's evaluations are (relative to the task's directory; they hold
     on every CPU), read where its bench run has none beside it."""
 
-    def bench(self, cpu_class: str) -> str | None:
-        return dict(self.runs).get(cpu_class)
+    def bench(self, cpu_class: str) -> list[str]:
+        return [run for c, run in self.runs if c == cpu_class]
 
 
 #: The CPU classes with a table (the first: ``table1.md``).
 CPU_CLASSES = ("avx2", "avx512_bf16")
 
-#: Each class's run of every task: ``<task>/<cpu-class>/bench.json``.
-RUNS = tuple((cpu_class, f"{cpu_class}/bench.json") for cpu_class in CPU_CLASSES)
+
+def runs(*avx512_bf16: str) -> tuple[tuple[str, str], ...]:
+    """Each class's runs of a task: AVX2's eager ``avx2/bench.json``; on AVX512-BF16 the
+    compiled batch-1 runs ``avx512_bf16/<run>/bench.json`` (vLLM's default mode)."""
+    return (("avx2", "avx2/bench.json"),) + tuple(
+        ("avx512_bf16", f"avx512_bf16/{run}/bench.json") for run in avx512_bf16
+    )
+
+
+#: Where the committed adapters' evaluations are (development files; every class).
+EVALS = "avx512_bf16"
 
 TASKS = (
-    Task("sql", "SQL (Spider, unseen database)", ("exact_match",), 3.57, RUNS),
-    Task("e2e", "E2E NLG (unseen MRs)", ("rouge1", "rougeLsum"), 3.72, RUNS),
-    Task("dialogsum", "DialogSum (unseen dialogues)", ("rouge1", "rougeLsum"), 2.62, RUNS),
+    Task(
+        "sql",
+        "SQL (Spider, unseen database)",
+        ("exact_match",),
+        3.57,
+        runs("compiled-b1-compiled-pass", "compiled-b1-compiled-pass-suffix"),
+        EVALS,
+    ),
+    Task(
+        "e2e",
+        "E2E NLG (unseen MRs)",
+        ("rouge1", "rougeLsum"),
+        3.72,
+        runs("compiled-b1-compiled-pass"),
+        EVALS,
+    ),
+    Task(
+        "dialogsum",
+        "DialogSum (unseen dialogues)",
+        ("rouge1", "rougeLsum"),
+        2.62,
+        runs("compiled-b1-all"),
+        EVALS,
+    ),
 )
 #: Methods of ``specstream bench`` in the table, in the bench's order (``plain-control``: a
 #: second plain engine, the run's noise floor); the fixed-schedule and pruned-tree variants are
@@ -93,21 +124,20 @@ def _row(task: Task, method: str, metric: str = "-", **measured) -> dict:
 def task_rows(task: Task, results: Path, cpu_class: str = CPU_CLASSES[0]) -> list[dict]:
     """The table's rows for ``task`` on ``cpu_class``: vLLM methods at batch 1, then the
     reference decoder."""
-    run = task.bench(cpu_class)
-    if run is None:
+    runs = task.bench(cpu_class)
+    if not runs:
         return []
-    bench = _read(results / task.name / run)
-    # The evaluations of the adapter the bench ran: beside its bench.json, else where the
-    # served adapter's are, else the task's (each directory read once: they may coincide).
     here = results / task.name
-    dirs = tuple(dict.fromkeys((here / Path(run).parent, here / task.evals, here)))
+    by_method: dict[str, dict] = {}
+    for run in runs:
+        for row in (_read(here / run) or {}).get("rows", []):
+            if row["temperature"] == 0 and row["batch_size"] == 1:
+                by_method.setdefault(row["method"], row)
+    # The evaluations of the adapter the bench ran: beside its (first) bench.json, else where
+    # the served adapter's are, else the task's (each directory read once: they may coincide).
+    dirs = tuple(dict.fromkeys((here / Path(runs[0]).parent, here / task.evals, here)))
     spec_eval = next(filter(None, (_read(d / "eval-specstream.json") for d in dirs)), None)
     ntp_eval = next(filter(None, (_read(d / "eval-ntp.json") for d in dirs)), None)
-    by_method = {
-        row["method"]: row
-        for row in (bench or {}).get("rows", [])
-        if row["temperature"] == 0 and row["batch_size"] == 1
-    }
     rows = [
         # Every method is lossless against plain: same outputs, same metric (the bench checks).
         _row(

@@ -97,3 +97,17 @@ def test_methods_come_in_the_tables_order_whatever_the_runs(table1, tmp_path):
     got = [r["method"] for r in table1.task_rows(task, tmp_path) if r["speedup"] is not None]
 
     assert got == ["plain", "ngram", "suffix", "specstream", "specstream-suffix", "specstream-tree"]
+
+
+def test_a_second_run_adds_the_methods_the_first_lacks(table1, tmp_path):
+    runs = (("avx512_bf16", "a/bench.json"), ("avx512_bf16", "b/bench.json"))
+    task = table1.Task("sql", "SQL", ("exact_match",), 3.57, runs)
+    first = [_bench_row("plain"), _bench_row("specstream", speedup=1.5)]
+    second = [_bench_row("plain"), _bench_row("specstream", speedup=1.1)]
+    second.append(_bench_row("specstream-suffix", speedup=1.9))
+    _write(tmp_path / "sql" / "a" / "bench.json", {"rows": first})
+    _write(tmp_path / "sql" / "b" / "bench.json", {"rows": second})
+
+    got = {r["method"]: r["speedup"] for r in table1.task_rows(task, tmp_path, "avx512_bf16")}
+
+    assert got["specstream"] == 1.5 and got["specstream-suffix"] == 1.9

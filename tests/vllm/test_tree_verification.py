@@ -197,3 +197,26 @@ def test_tree_widths_chosen_per_step_are_lossless(e2e):
     by_nodes = {int(n): rows for n, rows in stats["tree_rows_by_nodes"].items()}
     assert set(by_nodes) == {6, NODES} and min(by_nodes.values()) > 10, stats
     assert stats["nodes_pruned"] > 0 and stats["off_chain_rows"] > 0, stats
+
+
+@pytest.fixture(scope="module")
+def compiled(e2e):
+    """The same requests in vLLM's default compiled mode: plain, and trees at every step."""
+    ckpt, _, requests, _, _ = e2e
+    engine = {"block_size": 32, "enforce_eager": False}
+    plain = run_engine(ckpt, 0, engine, requests)
+    tree = run_engine(ckpt, NODES, engine, requests, env=INSPECT_ENV, fields=TREES, trees=True)
+    return plain, tree
+
+
+def test_trees_are_lossless_in_a_compiled_engine(compiled):
+    # The decoder runs as vLLM's graphs, which call the attention (where the node rows are
+    # redone) outside them; rotary positions by depth go in as the graphs' input, and the
+    # streams run at the deepest accepted node through the compiled stream pass.
+    plain, tree = compiled
+    assert tree["tokens"] == plain["tokens"]
+    stats = tree["trees"]
+    assert stats["tree_rows"] > 20 and stats["off_chain_rows"] > 0, stats
+    # Nothing compiled while serving beyond what plain decoding compiles (vLLM compiles its
+    # logprob ranks at the first request that asks for logprobs).
+    assert tree["graphs_compiled_serving"] == plain["graphs_compiled_serving"]
