@@ -89,7 +89,7 @@ TASKS = (
         "DialogSum (unseen dialogues)",
         ("rouge1", "rougeLsum"),
         2.62,
-        runs("compiled-b1-compiled-pass"),
+        runs("compiled-b1-compiled-pass", "compiled-b1-all"),
         EVALS,
     ),
 )
