@@ -18,6 +18,12 @@ import torch
 Tensor = torch.Tensor
 
 
+def layer_kv_cache(layer) -> Tensor:
+    """A decoder layer's paged KV cache (vLLM keeps it alone or as a one-element list)."""
+    cache = layer.self_attn.attn.kv_cache
+    return cache[0] if isinstance(cache, list) else cache
+
+
 def _probe_region(
     write, block_size: int, head_dim: int, num_kv_heads: int, dtype: torch.dtype
 ) -> Tensor:

@@ -55,7 +55,7 @@ from vllm_specstream.model_executor.fused_streams import FusedStreams
 from vllm_specstream.model_executor.lora.adapter_streams import Deployment
 from vllm_specstream.model_executor.lora.lora_streams import base_logits_processor
 from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
-from vllm_specstream.model_executor.paged_kv import PagedKVLayout
+from vllm_specstream.model_executor.paged_kv import PagedKVLayout, layer_kv_cache
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
     StreamParams,
@@ -517,17 +517,15 @@ class SpecStreamMixin:
         rows = [r for r, pairs in moves.items() for _ in pairs]
         pos = torch.tensor([p for pairs in moves.values() for p in pairs], dtype=torch.long)
         layers = [layer for layer in self.model.layers if hasattr(layer, "self_attn")]
-        attn = layers[0].self_attn.attn
-        first = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-        layout = PagedKVLayout.of_cache(first, attn.isa)
+        first = layer_kv_cache(layers[0])
+        layout = PagedKVLayout.of_cache(first, layers[0].self_attn.attn.isa)
         table = stash.batch.block_table[torch.tensor(rows)]
         (k_src, v_src), (k_dst, v_dst) = (
             layout.position_indices(first.shape[1], table, pos[:, col : col + 1])
             for col in (0, 1)  # src, dst
         )
         for layer in layers:
-            cache = layer.self_attn.attn.kv_cache
-            flat = (cache[0] if isinstance(cache, list) else cache).view(-1)
+            flat = layer_kv_cache(layer).view(-1)
             flat[k_dst], flat[v_dst] = flat[k_src], flat[v_src]
 
     def _begin_fused(self, batch: ForwardBatch | None) -> bool:

@@ -30,7 +30,7 @@ from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.lora.adapter_streams import AdapterStreams
 from vllm_specstream.model_executor.lora.lora_streams import StreamLoRA, first_lora_module
 from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
-from vllm_specstream.model_executor.paged_kv import PagedKVLayout
+from vllm_specstream.model_executor.paged_kv import PagedKVLayout, layer_kv_cache
 from vllm_specstream.model_executor.stream_weights import StreamWeights, fused_rms_norm
 from vllm_specstream.streams.stream_layer import (
     StreamLayer,
@@ -193,17 +193,11 @@ class StreamRunner:
     def main_kv_index(self, batch: ForwardBatch, context: Tensor) -> tuple[Tensor, Tensor, int]:
         """Flat cache indices of the main keys/values of positions ``context`` (``[R, P]``),
         shared by all MSA layers (their caches have one shape and layout)."""
-        kv_cache = self.layer_cache(self.layers[0])
+        kv_cache = layer_kv_cache(self.layers[0])
         layout = PagedKVLayout.of_cache(kv_cache, self.layers[0].self_attn.attn.isa)
         k_idx, v_idx = layout.position_indices(kv_cache.shape[1], batch.block_table, context)
         shape = (*context.shape, *k_idx.shape[1:])  # [R, P, K, D]
         return k_idx.view(shape), v_idx.view(shape), kv_cache.shape[1]
-
-    @staticmethod
-    def layer_cache(layer) -> Tensor:
-        """A decoder layer's paged KV cache (:class:`PagedKVLayout`)."""
-        attn = layer.self_attn.attn
-        return attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
 
     @staticmethod
     def main_kv(cache: Tensor, index: tuple[Tensor, Tensor, int]) -> tuple[Tensor, Tensor]:
@@ -294,7 +288,7 @@ class StreamRunner:
         k = k.view(r, ag, h_kv, d).transpose(1, 2)
         v = v.view(r, ag, h_kv, d).transpose(1, 2)
         if cache is None:
-            cache = self.layer_cache(layer)
+            cache = layer_kv_cache(layer)
         k_main, v_main = self.main_kv(cache, start.kv_index)
         o = joint_stream_attention(q, k_main, v_main, k, v, start.mask, attn.scaling)
         return o.transpose(1, 2).reshape(r * ag, h_q * d)
@@ -313,7 +307,7 @@ class StreamRunner:
         start = self.start(msa_input, batch, anchors, num_streams)
         s = start.s
         for layer, mm in zip(self.layers, self.weights.layers, strict=True):
-            s = self._msa_layer(self, layer, mm, s, start, self.layer_cache(layer))
+            s = self._msa_layer(self, layer, mm, s, start, layer_kv_cache(layer))
         return rms_norm(s, self.model.model.norm).view(start.shape)
 
     def compile(self) -> float:
