@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -77,6 +79,19 @@ def venv_script(name: str) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a server a test starts, drawn at random below the kernel's
+    ephemeral range: a port the kernel hands out (``bind(0)``) can be taken again by the
+    sockets vLLM's engines, Ray and outgoing connections open before the server binds it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()  # not the tests' seeded global generator
+    for _ in range(100):
+        port = rng.randrange(min(10000, low // 2), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
