@@ -79,15 +79,17 @@ def venv_script(name: str) -> str:
 
 
 def free_port() -> int:
-    """A free TCP port for a server a test starts, drawn at random below the kernel's
-    ephemeral range: a port the kernel hands out (``bind(0)``) can be taken again by the
-    sockets vLLM's engines, Ray and outgoing connections open before the server binds it."""
-    low = 32768
+    """A free TCP port for a server a test starts, drawn at random between Ray's worker
+    ports (10002-19999 by default) and the kernel's ephemeral range: a port the kernel
+    hands out (``bind(0)``) can be taken again by the sockets vLLM's engines, Ray and
+    outgoing connections open before the server binds it."""
+    high = 32768
     with contextlib.suppress(OSError, ValueError, IndexError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low = 20000 if high > 21000 else high // 2
     rng = random.Random()  # not the tests' seeded global generator
     for _ in range(100):
-        port = rng.randrange(min(10000, low // 2), low)
+        port = rng.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
