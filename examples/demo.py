@@ -95,7 +95,7 @@ def merged_checkpoint(adapter: Path, screen) -> Path:
         # default, which a front-end still holding the merged model would not leave it.
         # fp32 weights: vLLM serves them in fp32, or in bf16 where the CPU has native bf16.
         export = [sys.executable, "-m", "vllm_specstream.cli", "export", str(adapter), str(out)]
-        subprocess.run([*export, "--merge", "--dtype", "float32"], check=True)
+        subprocess.run([*export, "--dtype", "float32"], check=True)
     return out
 
 

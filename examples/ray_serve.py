@@ -6,7 +6,7 @@ many requests each replica served; optionally runs Ray Data batch
 inference over a JSONL of ``{"prompt": ...}`` records through the replicas, or keeps serving
 until Ctrl-C. ``--batch-engines`` runs the JSONL as a Ray Data job with engines of its own.
 
-    .venv/bin/specstream export examples/adapters/sql-smollm2-ss4 runs/sql-ss4-merged --merge
+    .venv/bin/specstream export examples/adapters/sql-smollm2-ss4 runs/sql-ss4-merged
     .venv/bin/python examples/ray_serve.py runs/sql-ss4-merged --replicas 2
     .venv/bin/python examples/ray_serve.py runs/sql-ss4-merged --jsonl prompts.jsonl --out out.jsonl
     .venv/bin/python examples/ray_serve.py runs/sql-ss4-merged --keep-serving   # then:
@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="merged specstream checkpoint (specstream export --merge)")
+    p.add_argument("checkpoint", help="merged specstream checkpoint (specstream export)")
     p.add_argument("--replicas", type=int, default=2, help="vLLM engines (default 2)")
     p.add_argument("--k", type=int, help="drafts per step (default: the checkpoint's streams)")
     p.add_argument("--placement", choices=["accepted", "window"], help="where streams run")

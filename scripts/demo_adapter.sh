@@ -16,7 +16,7 @@ for steps in 400 600; do
     $BIN/specstream train --out "$RUNS/sql-ntp" --objective ntp --steps $steps $COMMON
 done
 for run in sql-ss4 sql-ntp; do
-    $BIN/specstream export "$RUNS/$run" "$RUNS/$run-merged" --merge
+    $BIN/specstream export "$RUNS/$run" "$RUNS/$run-merged"
 done
 $BIN/specstream eval --checkpoint "$RUNS/sql-ss4-merged" --task sql --tree-top-k 2 \
     | tail -n 1 > "$RUNS/sql-ss4-eval.json"

@@ -100,7 +100,7 @@ if has specstream; then
             --size "$DRAFT_VOCAB_SIZE"
     fi
     [ -f "$R-specstream-merged/config.json" ] ||
-        $BIN/specstream export "$R-specstream" "$R-specstream-merged" --merge
+        $BIN/specstream export "$R-specstream" "$R-specstream-merged"
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-specstream-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-specstream-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-specstream-eval.json"
 fi
@@ -110,7 +110,7 @@ if has ntp; then
     # fp32: the two-stage objective's second stage trains on it, and its combined adapter
     # exports the same weights
     [ -f "$R-ntp-merged/config.json" ] ||
-        $BIN/specstream export "$R-ntp" "$R-ntp-merged" --merge --dtype float32
+        $BIN/specstream export "$R-ntp" "$R-ntp-merged" --dtype float32
     # The baseline has no trained streams: only its task metric matters (chain only). With
     # the two-stage run, whose outputs are the baseline's, that run's evaluation gives it.
     has two-stage || [ "$EVAL_HERE" = 0 ] || [ -s "$R-ntp-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
@@ -145,7 +145,7 @@ if has two-stage; then
         "import sys, torch; from vllm_specstream.training.checkpoint import two_stage_adapter; two_stage_adapter(*sys.argv[1:], dtype=torch.bfloat16)" \
         "$R-ntp" "$R-two-stage" "$A"
     [ -f "$R-two-stage-merged/config.json" ] ||
-        $BIN/specstream export "$A" "$R-two-stage-merged" --merge --dtype float32
+        $BIN/specstream export "$A" "$R-two-stage-merged" --dtype float32
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-two-stage-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-two-stage-merged" "${EVAL[@]}" --tree-top-k 0 | tail -n 1 > "$R-two-stage-eval.json"
     # Its outputs are the ntp baseline's: the eval's task metric is the baseline's.
@@ -166,7 +166,7 @@ fi
 # (`specstream bench RUNS/TASK-committed-merged --medusa RUNS/TASK-committed-medusa`).
 if has committed-medusa; then
     [ -f "$R-committed-merged/config.json" ] ||
-        $BIN/specstream export "$COMMITTED" "$R-committed-merged" --merge --dtype float32
+        $BIN/specstream export "$COMMITTED" "$R-committed-merged" --dtype float32
     "${RUN[@]}" $BIN/specstream train --out "$R-committed-medusa" --objective medusa \
         --base "$R-committed-merged" --distill "$R-committed-medusa/self_distill.jsonl" \
         "${COMMON[@]}" "${TWO_STAGE[@]}"
@@ -177,7 +177,7 @@ if has self-distill; then
         "${COMMON[@]}" --init-from "$R-specstream" --distill "$R-specstream-sd/self_distill.jsonl" \
         --init-rank 32 --steps "${SD_STEPS:-200}" --lr 5e-5 --stream-lr 1e-2 --a-j 0.3
     [ -f "$R-specstream-sd-merged/config.json" ] ||
-        $BIN/specstream export "$R-specstream-sd" "$R-specstream-sd-merged" --merge
+        $BIN/specstream export "$R-specstream-sd" "$R-specstream-sd-merged"
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-specstream-sd-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-specstream-sd-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-specstream-sd-eval.json"
 fi
@@ -190,7 +190,7 @@ if has streams-only; then
     "${RUN[@]}" $BIN/specstream train --out "$R-streams-only" --objective streams-only \
         "${COMMON[@]}" --init-rank 32 --stream-init-scale 0.5 --stream-lr 2e-2
     [ -f "$R-streams-only-merged/config.json" ] ||
-        $BIN/specstream export "$R-streams-only" "$R-streams-only-merged" --merge
+        $BIN/specstream export "$R-streams-only" "$R-streams-only-merged"
     [ "$EVAL_HERE" = 0 ] || [ -s "$R-streams-only-eval.json" ] || "${RUN[@]}" $BIN/specstream eval \
         --checkpoint "$R-streams-only-merged" "${EVAL[@]}" --tree-top-k 2 | tail -n 1 > "$R-streams-only-eval.json"
     # Medusa heads on the same frozen base, same replies and budget: what streams-only is

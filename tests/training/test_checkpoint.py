@@ -224,3 +224,87 @@ def test_unsupported_base_architecture(tmp_path):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"config.json: model_type 'gpt2' is not supported"):
         build_model(tmp_path, SpecStreamConfig(num_msa_layers=1), None)
+
+
+# --- Nothing lost: export writes beside its target and replaces only an earlier export ---
+
+
+@pytest.fixture
+def adapter(base_dir, tmp_path):
+    return save_adapter(trained(base_dir), tmp_path / "adapter")
+
+
+def listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["user_dir", "adapter", "file", "holds_adapter"])
+def test_export_refuses_a_target_it_would_destroy(adapter, tmp_path, where):
+    user_dir = tmp_path / "mine"
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("keep me")
+    (tmp_path / "a-file").write_text("keep me too")
+    out = {
+        "user_dir": user_dir,
+        "adapter": adapter,
+        "file": tmp_path / "a-file",
+        "holds_adapter": tmp_path,
+    }[where]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    message = {
+        "user_dir": "holds 'notes.txt' and is not an earlier specstream export; nothing was",
+        "adapter": "which export reads",
+        "file": "is a file, not a directory",
+        "holds_adapter": "which export reads",
+    }[where]
+    with pytest.raises(ConfigError, match=message) as e:
+        export_merged(adapter, out, dtype=torch.float32)
+    assert str(e.value).startswith(f"{out}: ")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_export_replaces_an_earlier_export_but_not_a_file_added_to_it(adapter, tmp_path):
+    out = tmp_path / "merged"
+    export_merged(adapter, out, dtype=torch.float32)
+    first = listing(out)
+    assert "specstream.safetensors" in first and "config.json" in first
+    export_merged(adapter, out, dtype=torch.float32)  # an earlier export: replaced
+    assert listing(out) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "merged"]  # nothing beside
+    (out / "README.md").write_text("my model card")
+    with pytest.raises(ConfigError, match="it also holds 'README.md', which export does not"):
+        export_merged(adapter, out, dtype=torch.float32)
+    assert (out / "README.md").read_text() == "my model card"
+
+
+def test_a_failed_export_leaves_the_earlier_one_whole(adapter, tmp_path, monkeypatch):
+    import vllm_specstream.training.checkpoint as checkpoint
+
+    out = tmp_path / "merged"
+    export_merged(adapter, out, dtype=torch.float32)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_merged(adapter, out, dtype=torch.float32)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "merged"]
+
+
+def test_a_failed_adapter_save_leaves_the_earlier_files(base_dir, adapter, monkeypatch):
+    import vllm_specstream.training.checkpoint as checkpoint
+
+    (adapter / "train_log.jsonl").write_text("{}\n")  # a run's record beside the files
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_adapter(trained(base_dir, suffix_drafts="on"), adapter)
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+    assert sorted(p.name for p in adapter.parent.iterdir()) == ["adapter"]

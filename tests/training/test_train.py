@@ -275,7 +275,7 @@ def test_cli_train_export_eval(tiny_base, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "train specstream" in out.stderr  # the progress bar
-    out = run("export", str(tmp_path / "a"), str(tmp_path / "m"), "--merge")
+    out = run("export", str(tmp_path / "a"), str(tmp_path / "m"))  # merging is the default
     assert out.returncode == 0, out.stderr[-3000:]
     assert "suffix drafts" not in out.stdout  # no serving default: nothing to say
     out = run(

@@ -27,5 +27,5 @@ def test_unsupported_base_architecture_is_named(base):
 
 
 def test_missing_section_says_how_to_export():
-    with pytest.raises(specstream.ConfigError, match="specstream export --merge"):
+    with pytest.raises(specstream.ConfigError, match="specstream export"):
         specstream.base_architecture(SimpleNamespace(num_hidden_layers=4))

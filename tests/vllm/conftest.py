@@ -63,8 +63,8 @@ def make_tiny_merged(
     draft_vocab_size: int = 0,
 ) -> Path:
     """:func:`make_tiny_base` (in ``OUT-base``) with random LoRA and streams (and a draft
-    vocabulary of ``draft_vocab_size`` random tokens), exported with `specstream export
-    --merge` semantics."""
+    vocabulary of ``draft_vocab_size`` random tokens), exported as `specstream export`
+    does it."""
     import torch
 
     from vllm_specstream.checkpoint.config import SpecStreamConfig

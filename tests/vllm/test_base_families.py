@@ -147,8 +147,8 @@ def test_a_fine_tune_given_as_a_peft_lora_gets_streams_and_keeps_its_outputs(
 ):
     """Bring your own fine-tune (docs/base-models.md): a Qwen3 base + the user's PEFT LoRA.
     `specstream train --objective streams-only --base LORA` merges the LoRA into its base,
-    writes that model's replies with vLLM and trains streams on them; `specstream export
-    --merge` keeps every weight of the fine-tune, so the served outputs are its own (here
+    writes that model's replies with vLLM and trains streams on them; `specstream
+    export` keeps every weight of the fine-tune, so the served outputs are its own (here
     equal to its plain greedy decoding) and the drafts are the training wrapper's."""
     import subprocess
 
@@ -168,7 +168,7 @@ def test_a_fine_tune_given_as_a_peft_lora_gets_streams_and_keeps_its_outputs(
         *("--num-streams", "3", "--num-msa-layers", "2", "--distill-max-tokens", "12"),
         *("--batch-size", "2", "--max-length", "128", "--steps", "2", "--dtype", "fp32"),
     ]
-    export_cmd = [specstream, "export", str(run), str(merged), "--merge", "--dtype", "float32"]
+    export_cmd = [specstream, "export", str(run), str(merged), "--dtype", "float32"]
     for cmd in (train_cmd, export_cmd):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]

@@ -100,7 +100,7 @@ class BenchConfig:
     """One benchmark run."""
 
     checkpoint: str
-    """Merged specstream checkpoint (``specstream export --merge``): the served model."""
+    """Merged specstream checkpoint (``specstream export``): the served model."""
     out_dir: str = "bench-results"
     """Where ``bench.json``, ``bench.md`` and ``bench.png`` are written."""
     methods: tuple[str, ...] | None = None

@@ -12,7 +12,7 @@ from typing import Any, Literal
 #: Checkpoint format this code writes; it reads this version and older ones.
 FORMAT_VERSION = 1
 CONFIG_FILE = "specstream_config.json"
-#: A merged checkpoint (``specstream export --merge``): its architecture in ``config.json``,
+#: A merged checkpoint (``specstream export``): its architecture in ``config.json``,
 #: the file of its stream tensors and their name prefix.
 MERGED_ARCHITECTURE = "SpecStreamForCausalLM"
 STREAM_FILE = "specstream.safetensors"

@@ -25,7 +25,7 @@ from vllm_specstream.checkpoint.families import BASE_CLASSES, SUPPORTED
 #: vLLM's index of a sharded safetensors checkpoint: it loads only the files listed there.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
-EXPORT_HINT = "export it again with `specstream export ADAPTER OUT --merge`"
+EXPORT_HINT = "export it again with `specstream export ADAPTER OUT`"
 
 #: ``config.json: specstream.adapter_streams_only``: a base model served for specstream LoRA
 #: adapters, with no streams of its own (:mod:`vllm_specstream.checkpoint.deployment`).
@@ -39,7 +39,7 @@ def specstream_section(hf_config, where: str = "config.json") -> dict:
     if not isinstance(section, dict):
         raise ConfigError(
             f"{where}: architectures is ['{MERGED_ARCHITECTURE}'] but there is no "
-            "'specstream' section; export the checkpoint with `specstream export --merge`"
+            "'specstream' section; export the checkpoint with `specstream export`"
         )
     return dict(section)
 

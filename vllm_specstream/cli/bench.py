@@ -82,7 +82,7 @@ def add_parser(sub) -> None:
         "size per method).",
         formatter_class=defaults,
     )
-    p.add_argument("checkpoint", help="merged specstream checkpoint (specstream export --merge)")
+    p.add_argument("checkpoint", help="merged specstream checkpoint (specstream export)")
     p.add_argument("--medusa", help="Medusa heads directory (needed for the medusa method)")
     p.add_argument(
         "--methods",

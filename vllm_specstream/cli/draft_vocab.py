@@ -33,7 +33,7 @@ def _cmd_draft_vocab(args: argparse.Namespace) -> int:
         f"{args.adapter_dir}: the streams draft from {summary.size} of {summary.vocab_size} "
         f"tokens ({summary.reply_tokens} distinct tokens in the training replies, "
         f"{summary.reply_coverage:.1%} of their tokens covered); export it again "
-        "(`specstream export --merge`) to serve it"
+        "(`specstream export`) to serve it"
     )
     return 0
 

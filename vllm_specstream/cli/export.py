@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from vllm_specstream.training.checkpoint import export_merged
-
-    if not args.merge:
-        print(
-            "specstream export: error: only --merge is implemented (vLLM loads merged checkpoints)",
-            file=sys.stderr,
-        )
-        return 2
     import torch
 
-    from vllm_specstream.checkpoint.config import ConfigError
+    from vllm_specstream.training.checkpoint import export_merged
 
-    try:
-        out = export_merged(
-            args.adapter_dir,
-            args.out_dir,
-            base=args.base,
-            dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
-            suffix_drafts=args.suffix_drafts,
-        )
-    except ConfigError as e:
-        print(f"specstream export: error: {e}", file=sys.stderr)
-        return 2
+    out = export_merged(
+        args.adapter_dir,
+        args.out_dir,
+        base=args.base,
+        dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
+        suffix_drafts=args.suffix_drafts,
+    )
     print(f"Merged checkpoint written: {out}")
     suffix = json.loads((out / "config.json").read_text())["specstream"].get("suffix_drafts")
     if suffix:
@@ -48,11 +35,17 @@ def add_parser(sub) -> None:
         help="merge an adapter into its base: the checkpoint vLLM serves",
         description="Write a merged checkpoint: LoRA merged into the base weights, the stream "
         "tensors in specstream.safetensors, config.json with architectures "
-        "['SpecStreamForCausalLM'] and a 'specstream' section.",
+        "['SpecStreamForCausalLM'] and a 'specstream' section. OUT_DIR must be new, empty or "
+        "an earlier export (which it replaces); the checkpoint is written beside it and renamed "
+        "into place, so a failed export leaves OUT_DIR as it was.",
     )
-    p.add_argument("adapter_dir")
-    p.add_argument("out_dir")
-    p.add_argument("--merge", action="store_true", help="merge LoRA into the weights (required)")
+    p.add_argument("adapter_dir", help="the adapter `specstream train` wrote")
+    p.add_argument("out_dir", help="where the merged checkpoint goes")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge LoRA into the weights: what export always does (accepted for older scripts)",
+    )
     p.add_argument("--base", help="base model dir (default: the one recorded in the adapter)")
     p.add_argument(
         "--dtype",

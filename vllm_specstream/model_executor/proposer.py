@@ -253,7 +253,7 @@ class SpecStreamProposer:
         if not hasattr(target_model, "spec_config") or not hasattr(target_model, "stash"):
             raise ConfigError(
                 f"the specstream proposer needs a SpecStreamForCausalLM checkpoint, got "
-                f"{type(target_model).__name__}; export one with `specstream export --merge`"
+                f"{type(target_model).__name__}; export one with `specstream export`"
             )
         target_model.set_placement(self.placement or target_model.default_placement())
         # What the model runs, not what was asked: draft trees run `accepted` whatever the

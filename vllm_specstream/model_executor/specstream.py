@@ -331,7 +331,7 @@ class SpecStreamMixin:
         if missing:
             raise ConfigError(
                 f"specstream.safetensors: missing stream tensor(s) {missing}; the merged "
-                "checkpoint must carry them (export it with `specstream export --merge`)"
+                "checkpoint must carry them (export it with `specstream export`)"
             )
         if self.num_speculative_tokens > 0:
             # Now, before vLLM post-processes (prepacks and drops) the linear weights.

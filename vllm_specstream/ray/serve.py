@@ -53,7 +53,7 @@ class SpecStreamServeConfig:
     """What to serve and how; everything else is Ray Serve LLM's and vLLM's defaults."""
 
     checkpoint: str | Path
-    """Merged specstream checkpoint directory (``specstream export --merge``)."""
+    """Merged specstream checkpoint directory (``specstream export``)."""
     num_replicas: int = 2
     """vLLM engines behind the endpoint, each a Ray Serve replica."""
     num_speculative_tokens: int | None = None
@@ -93,7 +93,7 @@ def checkpoint_num_streams(checkpoint: str | Path) -> int:
     if not isinstance(section, dict) or "num_streams" not in section:
         raise ValueError(
             f"{checkpoint}/config.json has no specstream.num_streams: not a merged specstream "
-            "checkpoint (`specstream export --merge`); or pass num_speculative_tokens"
+            "checkpoint (`specstream export`); or pass num_speculative_tokens"
         )
     return int(section["num_streams"])
 

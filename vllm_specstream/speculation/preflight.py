@@ -111,7 +111,7 @@ def check_setup(
             raise ConfigError(
                 f"the specstream proposer needs a {MERGED_ARCHITECTURE} checkpoint, got "
                 f"{model} ({config_file}: architectures {architectures}); export one with "
-                "`specstream export ADAPTER OUT --merge`, or serve this model without "
+                "`specstream export ADAPTER OUT`, or serve this model without "
                 "--spec-model (LLM(...) without speculative_config)"
             )
         return

@@ -4,7 +4,7 @@ Adapter checkpoint (what ``specstream train`` writes)::
 
     specstream_config.json  adapter_config.json  adapter_model.safetensors  specstream.safetensors
 
-Merged checkpoint (``specstream export --merge``, what vLLM loads): the base model's files
+Merged checkpoint (``specstream export``, what vLLM loads): the base model's files
 with LoRA merged into the weights, ``specstream.safetensors`` holding the stream tensors
 under ``specstream.*`` names, and ``config.json`` with ``architectures:
 ["SpecStreamForCausalLM"]`` plus a ``specstream`` section (the config fields and
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from vllm_specstream.checkpoint.config import (
     projection_dims,
 )
 from vllm_specstream.checkpoint.families import family_of
+from vllm_specstream.safe_write import files_into, new_dir
 from vllm_specstream.training.model import SpecStreamModel
 
 TOKENIZER_FILES = (
@@ -174,20 +176,22 @@ def null_lora(hf_config, base_model: str | None) -> tuple[dict, dict[str, torch.
 
 def save_adapter(model: SpecStreamModel, out_dir: str | Path) -> Path:
     """Write the adapter checkpoint files into ``out_dir`` (a streams-only adapter: with
-    :func:`null_lora` as its PEFT files, for vLLM multi-LoRA)."""
+    :func:`null_lora` as its PEFT files, for vLLM multi-LoRA), each written beside it and
+    renamed into place (a run's directory also holds its records)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.save(out)
-    if hasattr(model.lm, "save_pretrained") and hasattr(model.lm, "peft_config"):
-        model.lm.save_pretrained(str(out))
-    elif model.config.stream_lora_rank > 0:
-        peft_config, peft_tensors = null_lora(model.lm.config, model.config.base_model)
-        (out / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
-        save_file(peft_tensors, str(out / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
-    tensors = {
-        k: v.detach().float().cpu().contiguous() for k, v in model.stream_parameters().items()
-    }
-    save_file(tensors, str(out / STREAM_FILE), metadata={"format": "pt"})
+    with files_into(out) as tmp:
+        model.config.save(tmp)
+        if hasattr(model.lm, "save_pretrained") and hasattr(model.lm, "peft_config"):
+            model.lm.save_pretrained(str(tmp))
+            (tmp / "README.md").unlink(missing_ok=True)  # PEFT's stub: keep the run's card
+        elif model.config.stream_lora_rank > 0:
+            peft_config, peft_tensors = null_lora(model.lm.config, model.config.base_model)
+            (tmp / PEFT_CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
+            save_file(peft_tensors, str(tmp / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+        tensors = {
+            k: v.detach().float().cpu().contiguous() for k, v in model.stream_parameters().items()
+        }
+        save_file(tensors, str(tmp / STREAM_FILE), metadata={"format": "pt"})
     return out
 
 
@@ -226,6 +230,55 @@ def load_stream_tensors(model: SpecStreamModel, tensors: dict[str, torch.Tensor]
             param.copy_(tensors[name].to(param.dtype))
 
 
+#: What an export writes: the base's weights (one file or shards and their index), its
+#: config, the stream tensors and the tokenizer's files.
+_EXPORT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
+
+
+def _export_written(name: str) -> bool:
+    return (
+        name in ("config.json", STREAM_FILE)
+        or name in TOKENIZER_FILES
+        or _EXPORT_FILE.fullmatch(name) is not None
+    )
+
+
+def check_export_target(out: Path, *sources: Path) -> None:
+    """Refuse an output directory whose contents an export would lose: a file, one of
+    ``sources`` (the adapter, the base) or a directory holding them, or a non-empty
+    directory that is not an earlier merged export holding only what an export writes."""
+    where = f"{out}: "
+    fix = "give a new or empty directory, e.g. " + str(sources[0].resolve()) + "-merged"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{where}is a file, not a directory; {fix}")
+    target = out.resolve()
+    for source in sources:
+        source = source.resolve()
+        if target == source or target in source.parents:
+            raise ConfigError(f"{where}is or holds {source}, which export reads; {fix}")
+    if not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    try:
+        architectures = json.loads((out / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        architectures = None
+    if architectures != [MERGED_ARCHITECTURE]:
+        more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
+        raise ConfigError(
+            f"{where}holds {entries[0]!r}{more} and is not an earlier specstream export; "
+            f"nothing was written; {fix}, or remove it yourself"
+        )
+    foreign = [name for name in entries if not _export_written(name)]
+    if foreign:
+        raise ConfigError(
+            f"{where}an earlier export, but it also holds {foreign[0]!r}, which export does not "
+            f"write and would lose; nothing was written; move it out, or {fix}"
+        )
+
+
 def export_merged(
     adapter_dir: str | Path,
     out_dir: str | Path,
@@ -235,43 +288,46 @@ def export_merged(
 ) -> Path:
     """Write a merged checkpoint that vLLM loads with the specstream plugin. ``suffix_drafts``
     (``on``, ``off`` or a score threshold) sets its serving default of suffix drafts beside
-    the streams (:attr:`SpecStreamConfig.suffix_drafts`); None keeps the adapter's."""
-    config = SpecStreamConfig.load(Path(adapter_dir))
+    the streams (:attr:`SpecStreamConfig.suffix_drafts`); None keeps the adapter's.
+
+    ``out_dir`` must be new, empty or an earlier export (:func:`check_export_target`); the
+    checkpoint is written beside it and renamed into place, so a failed export leaves it as
+    it was."""
+    adapter_dir, out = Path(adapter_dir), Path(out_dir)
+    config = SpecStreamConfig.load(adapter_dir)
     if suffix_drafts is not None:
         value = suffix_drafts.strip().lower()
         config = dataclasses.replace(config, suffix_drafts=None if value == "off" else value)
         config.validate(where="--suffix-drafts")
     recorded = base or config.base_model
-    base_dir = Path(resolve_base(recorded, Path(adapter_dir) / CONFIG_FILE))
+    base_dir = Path(resolve_base(recorded, adapter_dir / CONFIG_FILE))
+    check_export_target(out, adapter_dir, base_dir)
     model = load_adapter(adapter_dir, base=base_dir, dtype=torch.float32)
     lm = model.lm.merge_and_unload() if hasattr(model.lm, "merge_and_unload") else model.lm
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     lm = lm.to(dtype)
     lm.config.dtype = dtype
-    lm.save_pretrained(str(tmp), safe_serialization=True)
-    copy_tokenizer(tmp, base_dir)
-    tensors = {
-        STREAM_PREFIX + k: v.detach().to(dtype).contiguous()
-        for k, v in model.stream_parameters().items()
-    }
-    save_file(tensors, str(tmp / STREAM_FILE), metadata={"format": "pt"})
-    config_path = tmp / "config.json"
-    hf_config = json.loads(config_path.read_text())
-    section = dataclasses.replace(model.config, suffix_drafts=config.suffix_drafts).to_dict()
-    section.pop("loss", None)
-    section["base_architectures"] = hf_config.get("architectures", [])
-    hf_config["architectures"] = [MERGED_ARCHITECTURE]
-    hf_config["specstream"] = section
-    config_path.write_text(json.dumps(hf_config, indent=2) + "\n")
-    index = tmp / "model.safetensors.index.json"
-    if index.is_file():  # sharded: vLLM loads only what the index lists
-        data = json.loads(index.read_text())
-        data["weight_map"].update({name: STREAM_FILE for name in tensors})
-        index.write_text(json.dumps(data, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.replace(out)
+    with new_dir(out) as tmp:
+        lm.save_pretrained(str(tmp), safe_serialization=True)
+        copy_tokenizer(tmp, base_dir)
+        tensors = {
+            STREAM_PREFIX + k: v.detach().to(dtype).contiguous()
+            for k, v in model.stream_parameters().items()
+        }
+        save_file(tensors, str(tmp / STREAM_FILE), metadata={"format": "pt"})
+        config_path = tmp / "config.json"
+        hf_config = json.loads(config_path.read_text())
+        section = dataclasses.replace(model.config, suffix_drafts=config.suffix_drafts).to_dict()
+        section.pop("loss", None)
+        section["base_architectures"] = hf_config.get("architectures", [])
+        hf_config["architectures"] = [MERGED_ARCHITECTURE]
+        hf_config["specstream"] = section
+        config_path.write_text(json.dumps(hf_config, indent=2) + "\n")
+        index = tmp / "model.safetensors.index.json"
+        if index.is_file():  # sharded: vLLM loads only what the index lists
+            data = json.loads(index.read_text())
+            data["weight_map"].update({name: STREAM_FILE for name in tensors})
+            index.write_text(json.dumps(data, indent=2) + "\n")
+        check_export_target(out, adapter_dir, base_dir)  # as it is now, before the swap
     return out
 
 
@@ -302,11 +358,11 @@ def merge_peft_base(peft_dir: str | Path, out_dir: str | Path) -> Path:
             "set it to the path of the base model the LoRA was trained on"
         )
     lm = PeftModel.from_pretrained(load_base_lm(base), str(peft_dir)).merge_and_unload()
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    lm.save_pretrained(str(tmp), safe_serialization=True)
-    copy_tokenizer(tmp, peft_dir, Path(base))
-    tmp.replace(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out}: not empty and not a merged model; give a new directory")
+    with new_dir(out) as tmp:
+        lm.save_pretrained(str(tmp), safe_serialization=True)
+        copy_tokenizer(tmp, peft_dir, Path(base))
     return out
 
 
@@ -364,7 +420,7 @@ def read_merged_config(ckpt: str | Path) -> tuple[dict, SpecStreamConfig]:
     if "specstream" not in hf_config:
         raise ConfigError(
             f"{path}: no 'specstream' section; not a merged specstream checkpoint "
-            f"(export one with `specstream export ADAPTER OUT --merge`)"
+            f"(export one with `specstream export ADAPTER OUT`)"
         )
     section = dict(hf_config["specstream"])
     base_arch = section.pop("base_architectures", None)

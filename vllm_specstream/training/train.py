@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
 from vllm_specstream.logger import init_logger
+from vllm_specstream.safe_write import new_dir, write_text
 from vllm_specstream.training.checkpoint import (
     LoraSettings,
     build_model,
@@ -656,23 +656,15 @@ def _save_checkpoint(
     """Trainable weights + optimizer state in ``out/checkpoint`` (written aside, then swapped
     in), with the processes that trained it so far (``segments``: a run killed before it
     wrote its progress file resumes with them)."""
-    tmp = out / (CHECKPOINT_DIR + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    job.save(tmp)
     state = {
         "step": step,
         "continued_at": continued_at,
         "segments": list(segments),
         "optimizer": optimizer.state_dict(),
     }
-    torch.save(state, tmp / STATE_FILE)
-    final = out / CHECKPOINT_DIR
-    old = out / (CHECKPOINT_DIR + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.replace(old)
-    tmp.replace(final)
-    shutil.rmtree(old, ignore_errors=True)
+    with new_dir(out / CHECKPOINT_DIR) as tmp:
+        job.save(tmp)
+        torch.save(state, tmp / STATE_FILE)
 
 
 def _resume(job, optimizer, out: Path) -> tuple[int, int, list[dict] | None]:
@@ -684,7 +676,7 @@ def _resume(job, optimizer, out: Path) -> tuple[int, int, list[dict] | None]:
         return 0, 0, None
     job.load_trainable(ckpt)
     # Optimizer state follows its parameters' device (a run may resume on another one).
-    state = torch.load(ckpt / STATE_FILE, weights_only=False, map_location="cpu")
+    state = torch.load(ckpt / STATE_FILE, weights_only=True, map_location="cpu")
     optimizer.load_state_dict(state["optimizer"])
     _keep_log(out / LOG_FILE, state["step"])
     logger.info("Resuming from %s at step %d", ckpt, state["step"])
@@ -695,7 +687,7 @@ def _keep_log(log: Path, step: int) -> None:
     """Drop the records of steps after ``step`` (they will run again)."""
     if log.is_file():
         kept = [x for x in log.read_text().splitlines() if json.loads(x)["step"] <= step]
-        log.write_text("".join(x + "\n" for x in kept))
+        write_text(log, "".join(x + "\n" for x in kept))
 
 
 def _continue_chain(job, args: TrainArgs, num_examples: int) -> int:
@@ -775,7 +767,7 @@ def _write_progress(
         "train_prompts": len(set(prompts)),
         "segments": segments,
     }
-    (out / PROGRESS_FILE).write_text(json.dumps(progress, indent=2) + "\n")
+    write_text(out / PROGRESS_FILE, json.dumps(progress, indent=2) + "\n")
     return progress
 
 
