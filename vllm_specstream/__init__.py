@@ -33,6 +33,11 @@ def speculative_config(
     """
     from vllm_specstream.speculation.options import FIELDS, KEY
 
+    if type(num_speculative_tokens) is not int or num_speculative_tokens < 1:
+        raise ValueError(
+            f"speculative_config(num_speculative_tokens={num_speculative_tokens!r}): must be "
+            "an integer >= 1, at most the checkpoint's num_streams (e.g. 4)"
+        )
     mine = sorted(set(options) & set(FIELDS))
     if mine:
         fields = {name: options[name] for name in mine}

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
+from vllm_specstream.training.data import DataError
 from vllm_specstream.training.metrics import (
     canonical_sql,
     rouge_scores,
@@ -140,7 +141,7 @@ def test_bad_csv_rows_name_their_line(tmp_path):
     path = _csv(tmp_path / "e.csv", [["mr", "ref"], ["m1", "r1", "extra"]])
     with pytest.raises(ValueError, match=r"e\.csv:2: more cells than the header"):
         load_task_data("e2e", path)
-    with pytest.raises(FileNotFoundError, match="nope.csv"):
+    with pytest.raises(DataError, match="nope.csv: no such file"):
         load_task_data("e2e", tmp_path / "nope.csv")
     with pytest.raises(ValueError, match="unknown task 'code'"):
         load_task_data("code", path)

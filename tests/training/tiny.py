@@ -32,8 +32,8 @@ def tiny_llama(
         eos_token_id=2,
         pad_token_id=0,
         head_dim=16,  # Qwen3's default is 128
-        **overrides,
     )
+    kw.update(overrides)
     config = AutoConfig.for_model(model_type, **kw)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     # Random init is tiny; scale weights so that logits are far from ties.

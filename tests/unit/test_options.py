@@ -190,6 +190,14 @@ def test_speculative_config_leaves_the_plugins_fields_to_additional_config():
         speculative_config(4, placement="window", stream_dtype="model")
 
 
+@pytest.mark.parametrize("bad", [0, -1, "x", "4", 2.0, True, None])
+def test_speculative_config_refuses_a_draft_length_that_is_not_a_positive_integer(bad):
+    with pytest.raises(
+        ValueError, match=rf"num_speculative_tokens={bad!r}\): must be an integer >= 1"
+    ):
+        speculative_config(bad)
+
+
 def test_a_bad_checkpoint_default_names_the_checkpoints_config():
     config = engine()
     config.model_config = SimpleNamespace(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,55 @@ def projection_dims(hf_config: Any) -> dict[str, tuple[int, int]]:
 
 class ConfigError(ValueError):
     """A specstream config is invalid; the message names the file and field."""
+
+
+#: What a JSON value of each annotated type may be.
+_JSON_TYPES = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
+
+
+def check_json_types(data: Mapping[str, Any], cls: type, where: str, prefix: str = "") -> None:
+    """Each value of ``data`` must have its dataclass field's type (``int | None``,
+    ``float | list[float]``, ``Literal[...]``): a mistyped field is named, not left to fail
+    later as a comparison of a string with a number."""
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        options = _union_options(hints[name])
+        if not any(_json_value_is(value, option) for option in options):
+            want = " or ".join(_type_name(option) for option in options)
+            raise ConfigError(f"{where}: {prefix}{name} must be {want}, got {value!r}")
+
+
+def _union_options(hint: Any) -> tuple:
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return typing.get_args(hint) if union else (hint,)
+
+
+def _json_value_is(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint) or hint
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if isinstance(value, bool) and origin is not bool:  # JSON's true is no number
+        return False
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and (
+            item is Any or all(_json_value_is(x, item) for x in value)
+        )
+    return isinstance(value, _JSON_TYPES.get(origin, ()))
+
+
+def _type_name(hint: Any) -> str:
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(repr(x) for x in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        hint, str(hint)
+    )
 
 
 #: What a ``suffix_drafts`` setting takes (the engine field and the checkpoint's default).
@@ -294,7 +345,9 @@ class SpecStreamConfig:
                         f"{where}: {key} must be an object with fields "
                         f"{sorted(sub_known)}, got {value!r}"
                     )
+                check_json_types(value, sub_cls, where, prefix=f"{key}.")
                 data[key] = sub_cls(**value)
+        check_json_types({k: v for k, v in data.items() if k not in sub}, cls, where)
         config = cls(**data)
         config.validate(where=where)
         return config

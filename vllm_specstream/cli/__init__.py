@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"vllm-specstream {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error in a file, field or flag, show the traceback too (default: one line)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
@@ -75,5 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return func(args)
     except ConfigError as e:
         # A bad file, field or flag: the message names it and the fix; no traceback.
+        if args.debug:
+            raise
         print(f"specstream {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     tokenizer_dir = (
         ckpt
         if (ckpt / "tokenizer.json").is_file()
-        else resolve_base(args.base or model.config.base_model, ckpt)
+        else resolve_base(args.base, model.config.base_model, ckpt)
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     result = evaluate_checkpoint(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from vllm_specstream.checkpoint.config import (
     CONFIG_FILE,
@@ -34,6 +34,7 @@ from vllm_specstream.checkpoint.config import (
     projection_dims,
 )
 from vllm_specstream.checkpoint.families import family_of
+from vllm_specstream.checkpoint.tensor_files import read_tensors
 from vllm_specstream.safe_write import files_into, new_dir
 from vllm_specstream.training.model import SpecStreamModel
 
@@ -77,16 +78,31 @@ def lora_layer_indices(layers: str, num_layers: int, num_msa_layers: int) -> lis
         ) from e
 
 
-def resolve_base(base: str | Path | None, where: Path) -> str:
-    """The base model directory: as given, or the embedded model when the adapter names it
-    (``base_model: "SmolLM2-135M-Instruct"``), converted on first use."""
+def resolve_base(given: str | Path | None, recorded: str | None, where: Path) -> str:
+    """The base model directory: ``given`` (``--base``), else the one the adapter records
+    (``where``), or the embedded model when it names that (``base_model:
+    "SmolLM2-135M-Instruct"``), converted on first use."""
     from vllm_specstream.base_model import MODEL_NAME, prepare_base
 
+    base = given or recorded
     if base is None:
-        raise ConfigError(f"{where}: base_model is not set; pass the base model path")
+        raise ConfigError(f"{where}: base_model is not set; pass the base model path (--base)")
     if not Path(base).exists() and Path(base).name == MODEL_NAME:
         return str(prepare_base(progress=False))
-    return str(base)
+    return check_model_dir(base, "--base" if given else f"{where}: base_model")
+
+
+def check_model_dir(path: str | Path, what: str = "--base") -> str:
+    """``path`` as a local model directory (one with ``config.json``): a model id or a
+    missing directory is an error, never a download."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        problem = "not a model directory (no config.json)" if p.is_dir() else "no such directory"
+        raise ConfigError(
+            f"{what} {path}: {problem}; give the local directory of the base model "
+            "(Hugging Face format; nothing is downloaded)"
+        )
+    return str(p)
 
 
 def copy_tokenizer(dest: Path, *sources: Path) -> None:
@@ -98,12 +114,20 @@ def copy_tokenizer(dest: Path, *sources: Path) -> None:
             shutil.copy2(source, dest / name)
 
 
-def load_base_lm(base: str | Path, dtype: torch.dtype = torch.float32):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def base_config(base: str | Path):
+    """The local base model's config, of a supported family."""
+    from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(base)
+    hf_config = AutoConfig.from_pretrained(check_model_dir(base), local_files_only=True)
     family_of(hf_config, where=f"{base}/config.json")
-    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    return hf_config
+
+
+def load_base_lm(base: str | Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    base_config(base)
+    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True)
 
 
 def lora_targets(lora: LoraSettings, hf_config) -> list[str]:
@@ -201,26 +225,29 @@ def load_adapter(
     """Load an adapter checkpoint onto its base model (``base`` overrides the recorded one)."""
     adapter_dir = Path(adapter_dir)
     config = SpecStreamConfig.load(adapter_dir)
-    base = resolve_base(base or config.base_model, adapter_dir / CONFIG_FILE)
+    base = resolve_base(base, config.base_model, adapter_dir / CONFIG_FILE)
     stream_file = adapter_dir / STREAM_FILE
     if not stream_file.is_file():
         raise ConfigError(f"{stream_file}: missing; the adapter has no stream tensors")
+    tensors = read_tensors(stream_file)
+    hf_config = base_config(base)  # checked before the weights load
+    check_stream_tensors(tensors, config, hf_config.hidden_size, str(stream_file), hf_config)
     lm = load_base_lm(base, dtype)
-    check_stream_tensors(
-        load_file(str(stream_file)),
-        config,
-        lm.config.hidden_size,
-        str(stream_file),
-        lm.config,
-    )
     # A streams-only adapter's PEFT files are vLLM's null LoRA (adding zero); a two-stage
     # adapter's are the first stage's LoRA.
     if (adapter_dir / PEFT_CONFIG_FILE).is_file():
         from peft import PeftModel
 
-        lm = PeftModel.from_pretrained(lm, str(adapter_dir))
+        try:
+            lm = PeftModel.from_pretrained(lm, str(adapter_dir))
+        except RuntimeError as e:  # size mismatch: another base model
+            raise ConfigError(
+                f"{adapter_dir / PEFT_WEIGHTS_FILE}: does not fit the base model {base} "
+                f"({str(e).strip().splitlines()[-1].strip()}); pass --base with the model the "
+                "adapter was trained on"
+            ) from None
     model = SpecStreamModel(lm, config)
-    load_stream_tensors(model, load_file(str(stream_file)))
+    load_stream_tensors(model, tensors)
     return model.eval()
 
 
@@ -299,8 +326,7 @@ def export_merged(
         value = suffix_drafts.strip().lower()
         config = dataclasses.replace(config, suffix_drafts=None if value == "off" else value)
         config.validate(where="--suffix-drafts")
-    recorded = base or config.base_model
-    base_dir = Path(resolve_base(recorded, adapter_dir / CONFIG_FILE))
+    base_dir = Path(resolve_base(base, config.base_model, adapter_dir / CONFIG_FILE))
     check_export_target(out, adapter_dir, base_dir)
     model = load_adapter(adapter_dir, base=base_dir, dtype=torch.float32)
     lm = model.lm.merge_and_unload() if hasattr(model.lm, "merge_and_unload") else model.lm
@@ -376,7 +402,7 @@ def store_tensors_in(adapter_dir: str | Path, dtype: torch.dtype) -> None:
     for name in (PEFT_WEIGHTS_FILE, STREAM_FILE):
         path = Path(adapter_dir) / name
         if path.is_file():
-            tensors = load_file(str(path))
+            tensors = read_tensors(path)
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
             save_file(tensors, str(path), metadata={"format": "pt"})
 
@@ -438,7 +464,7 @@ def load_merged(ckpt: str | Path, dtype: torch.dtype = torch.float32) -> SpecStr
     stream_file = ckpt / STREAM_FILE
     if not stream_file.is_file():
         raise ConfigError(f"{stream_file}: missing; the merged checkpoint has no stream tensors")
-    raw = load_file(str(stream_file))
+    raw = read_tensors(stream_file)
     tensors = {k[len(STREAM_PREFIX) :]: v for k, v in raw.items() if k.startswith(STREAM_PREFIX)}
     check_stream_tensors(tensors, config, hf_config["hidden_size"], str(stream_file), hf_config)
     lm = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)

@@ -18,9 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_specstream.checkpoint.config import ConfigError
 from vllm_specstream.logger import init_logger
 
 logger = init_logger(__name__)
+
+
+class DataError(ConfigError):
+    """A data file or a data flag is unusable; the message names the file (and line) or flag
+    and what it must hold."""
+
 
 SQL_FIELDS = ("context", "question", "answer")
 PROMPT_FIELDS = ("prompt", "completion")
@@ -49,35 +56,35 @@ def sql_example(context: str, question: str, answer: str) -> ChatExample:
 
 def _string_field(record: dict, field: str, where: str, *, nonempty: bool = False) -> str:
     if field not in record:
-        raise ValueError(f"{where}: missing field {field!r}")
+        raise DataError(f"{where}: missing field {field!r}")
     value = record[field]
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+        raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
     if nonempty and not value.strip():
-        raise ValueError(f"{where}: empty {field!r}")
+        raise DataError(f"{where}: empty {field!r}")
     return value
 
 
 def _from_messages(record: dict, where: str) -> ChatExample:
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: field 'messages' must be a non-empty list")
+        raise DataError(f"{where}: field 'messages' must be a non-empty list")
     for i, message in enumerate(messages):
         at = f"{where}: messages[{i}]"
         if not isinstance(message, dict):
-            raise ValueError(f"{at} must be an object")
+            raise DataError(f"{at} must be an object")
         _string_field(message, "role", at)
         _string_field(message, "content", at)
     last = messages[-1]
     if last["role"] != "assistant":
-        raise ValueError(
+        raise DataError(
             f"{where}: field 'messages': last message must have role 'assistant', "
             f"got {last['role']!r}"
         )
     if not last["content"].strip():
-        raise ValueError(f"{where}: field 'messages': empty assistant 'content'")
+        raise DataError(f"{where}: field 'messages': empty assistant 'content'")
     if len(messages) < 2:
-        raise ValueError(f"{where}: field 'messages': no prompt before the assistant reply")
+        raise DataError(f"{where}: field 'messages': no prompt before the assistant reply")
     prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
     return ChatExample(messages=prompt, completion=last["content"])
 
@@ -85,7 +92,7 @@ def _from_messages(record: dict, where: str) -> ChatExample:
 def parse_record(record: Any, where: str) -> ChatExample:
     """Turn one decoded JSONL record into a :class:`ChatExample`; ``where`` prefixes errors."""
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
         return _from_messages(record, where)
     if any(field in record for field in SQL_FIELDS):
@@ -98,7 +105,7 @@ def parse_record(record: Any, where: str) -> ChatExample:
         prompt = _string_field(record, "prompt", where)
         completion = _string_field(record, "completion", where, nonempty=True)
         return user_example(prompt, completion)
-    raise ValueError(
+    raise DataError(
         f"{where}: unknown record shape with fields {sorted(record)}; expected "
         "'prompt'+'completion', 'messages', or 'context'+'question'+'answer'"
     )
@@ -117,7 +124,7 @@ def jsonl_records(path: str | Path, text: str | None = None) -> Iterator[tuple[s
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+            raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
         yield where, record
 
 
@@ -179,7 +186,7 @@ def _end_of_turn(tokenizer: Any) -> int:
                 )
             return ids[0]
     if eos is None:
-        raise ValueError("tokenizer has no eos token and its chat template no end-of-turn token")
+        raise DataError("tokenizer has no eos token and its chat template no end-of-turn token")
     return eos
 
 
@@ -197,7 +204,7 @@ def encode_example(tokenizer: Any, example: ChatExample, max_length: int) -> dic
     completion longer than ``max_length`` on its own is cut on the right.
     """
     if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
+        raise DataError(f"max_length must be >= 1, got {max_length}")
     eos_id = end_of_turn_id(tokenizer)
     prompt = prompt_ids(tokenizer, example.messages)
     # Appended as an id: tokenising its text is not guaranteed to give the special id.
@@ -226,7 +233,7 @@ def read_replies(path: str | Path) -> dict[str, str]:
     replies = {}
     for where, record in jsonl_records(path):
         if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-            raise ValueError(f"{where}: expected an object with 'messages' (the prompt)")
+            raise DataError(f"{where}: expected an object with 'messages' (the prompt)")
         replies[prompt_key(record["messages"])] = _string_field(record, "completion", where)
     return replies
 
@@ -242,7 +249,7 @@ def with_replies(
         if key in seen:
             continue
         if key not in replies:
-            raise ValueError(f"{where}: no reply for a prompt of the task data; distil again")
+            raise DataError(f"{where}: no reply for a prompt of the task data; distil again")
         seen.add(key)
         out.append(ChatExample(messages=e.messages, completion=replies[key]))
     return out

@@ -103,7 +103,7 @@ def add_draft_vocab(
     stream_file = adapter / STREAM_FILE
     if not stream_file.is_file():
         raise ConfigError(f"{stream_file}: missing; {adapter} is not a specstream adapter")
-    base_dir = resolve_base(base or config.base_model, adapter / CONFIG_FILE)
+    base_dir = resolve_base(base, config.base_model, adapter / CONFIG_FILE)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     hf_config = json.loads((Path(base_dir) / "config.json").read_text())
     vocab_size = int(hf_config["vocab_size"])
@@ -125,13 +125,15 @@ def add_draft_vocab(
 def write_draft_vocab(adapter_dir: str | Path, ids: Iterable[int], vocab_size: int) -> None:
     """Make ``ids`` the draft vocabulary of the adapter in ``adapter_dir`` (its config's
     ``draft_vocab_size``, its ``draft_vocab_mask`` stream tensor)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from vllm_specstream.checkpoint.tensor_files import read_tensors
 
     adapter = Path(adapter_dir)
     config = SpecStreamConfig.load(adapter)
     stream_file = adapter / STREAM_FILE
     mask = draft_vocab_mask(ids, vocab_size)
-    tensors = load_file(str(stream_file))
+    tensors = read_tensors(stream_file)
     tensors[DRAFT_VOCAB_MASK] = mask
     config.draft_vocab_size = int(mask.sum())
     config.validate()

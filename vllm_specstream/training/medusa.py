@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
+
+from vllm_specstream.checkpoint.tensor_files import read_tensors
 
 Tensor = torch.Tensor
 
@@ -124,7 +126,7 @@ class MedusaHeads(nn.Module):
         return out
 
     def load_trainable(self, ckpt: str | Path) -> None:
-        tensors = load_file(str(Path(ckpt) / "model.safetensors"))
+        tensors = read_tensors(Path(ckpt) / "model.safetensors")
         with torch.no_grad():
             for j, block in enumerate(self.blocks):
                 for i, layer in enumerate(block):

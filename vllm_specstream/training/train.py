@@ -17,6 +17,7 @@ from vllm_specstream.safe_write import new_dir, write_text
 from vllm_specstream.training.checkpoint import (
     LoraSettings,
     build_model,
+    check_model_dir,
     load_stream_tensors,
     save_adapter,
 )
@@ -536,16 +537,15 @@ class SpecStreamJob:
         save_adapter(self.model, out)
 
     def load_trainable(self, ckpt: Path) -> None:
-        from safetensors.torch import load_file
-
+        from vllm_specstream.checkpoint.tensor_files import read_tensors
         from vllm_specstream.training.checkpoint import PEFT_WEIGHTS_FILE, STREAM_FILE
 
-        load_stream_tensors(self.model, load_file(str(ckpt / STREAM_FILE)))
+        load_stream_tensors(self.model, read_tensors(ckpt / STREAM_FILE))
         # A streams-only run's PEFT files are vLLM's null LoRA, not a model of its own.
         if (ckpt / PEFT_WEIGHTS_FILE).is_file() and hasattr(self.model.lm, "peft_config"):
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.model.lm, load_file(str(ckpt / PEFT_WEIGHTS_FILE)))
+            set_peft_model_state_dict(self.model.lm, read_tensors(ckpt / PEFT_WEIGHTS_FILE))
 
 
 def _pruning_model(args: TrainArgs) -> SpecStreamModel:
@@ -781,7 +781,6 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     from vllm_specstream.training.data import encode_example, prompt_key
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -790,7 +789,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
         if dtype == torch.bfloat16
         else nullcontext
     )
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    tokenizer = AutoTokenizer.from_pretrained(check_model_dir(args.base), local_files_only=True)
     examples = load_examples(args, "train", args.num_train)
     train_set = [encode_example(tokenizer, e, args.max_length) for e in examples]
     prompts = [prompt_key(e.messages) for e in examples]
@@ -801,6 +800,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     ]
     if not train_set:
         raise ValueError(f"no training examples (task={args.task!r}, data={args.data!r})")
+    out.mkdir(parents=True, exist_ok=True)  # once the data and base are known to be usable
     job = make_job(args)
     if dtype == torch.bfloat16:
         cast_frozen_linears(job.model, dtype)

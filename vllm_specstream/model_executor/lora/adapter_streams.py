@@ -82,7 +82,7 @@ def read_adapter_streams(
 ) -> AdapterStreams | None:
     """The streams in adapter directory ``path`` (vLLM name ``name``), checked against
     ``deployment``; None for a plain LoRA adapter (no ``specstream.safetensors``)."""
-    from safetensors.torch import load_file
+    from vllm_specstream.checkpoint.tensor_files import read_tensors
 
     path = Path(path)
     if not (path / STREAM_FILE).is_file():
@@ -112,7 +112,7 @@ def read_adapter_streams(
             f"deployment's num_speculative_tokens={deployment.num_speculative_tokens}; serve "
             f"these adapters with at most {config.num_streams} speculative tokens"
         )
-    tensors = load_file(str(path / STREAM_FILE))
+    tensors = read_tensors(path / STREAM_FILE)
     check_stream_tensors(
         tensors, config, deployment.hidden_size, f"{where}: {STREAM_FILE}", deployment.hf_config
     )

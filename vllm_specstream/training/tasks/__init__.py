@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_specstream.training.data import ChatExample, sql_example, user_example
+from vllm_specstream.training.data import ChatExample, DataError, sql_example, user_example
 from vllm_specstream.training.metrics import normalize_sql, rouge_l, sql_exact_match
 from vllm_specstream.training.tasks._split import split_of
 from vllm_specstream.training.tasks.code import (
@@ -67,13 +67,13 @@ DEFAULT_N = {"sql": (2000, 300), "code": (2000, 200), "text": (2000, 300)}
 def build_task(name: str, split: str, n: int | None = None, seed: int = 0) -> list[dict]:
     """``n`` records of task ``name`` for ``split`` (``train`` or ``test``), deterministic."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+        raise DataError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+        raise DataError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     if n is None:
         n = DEFAULT_N[name][SPLITS.index(split)]
     if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+        raise DataError(f"n must be >= 0, got {n}")
     if name == "sql":
         return build_sql(split, n, seed)
     if name == "text":
@@ -89,7 +89,7 @@ def record_split(name: str, record: dict) -> str:
         return split_of("text", text_key(record))
     if name == "code":
         return "test" if package_of(record["module"]) in code_test_packages() else "train"
-    raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    raise DataError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
 
 
 def to_example(name: str, record: dict) -> ChatExample:
@@ -102,7 +102,7 @@ def to_example(name: str, record: dict) -> ChatExample:
         return user_example(
             f"Write one sentence describing this restaurant: {record['mr']}", record["ref"]
         )
-    raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    raise DataError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
 
 
 def reference(name: str, record: dict) -> str:
@@ -157,7 +157,7 @@ def task_examples(
         return []
     task = task or "sql"
     if task not in TASKS:
-        raise ValueError(
+        raise DataError(
             f"--task {task} needs --data FILE (its public format; see docs/training.md)"
         )
     return [to_example(task, r) for r in build_task(task, split, n=n, seed=seed)]

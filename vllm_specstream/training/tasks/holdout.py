@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from vllm_specstream.training.data import DataError
 from vllm_specstream.training.tasks._split import stable_hash
 from vllm_specstream.training.tasks.public import load_task_data, write_task_data
 
@@ -34,14 +35,14 @@ def split_by_group(
     ``val_fraction > 0``, and one group always stays for training.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if val_fraction == 0.0 or not records:
         return list(records), []
     sizes: dict[str, int] = {}
     for r in records:
         sizes[group(r)] = sizes.get(group(r), 0) + 1
     if len(sizes) < 2:
-        raise ValueError(
+        raise DataError(
             f"cannot hold out {val_fraction:.0%} by group: all {len(records)} records share "
             "one group"
         )
@@ -61,12 +62,12 @@ def split_by_group(
 def select_split(records: Sequence[T], split: str, val_fraction: float, seed: int = 0) -> list[T]:
     """The records of ``split`` (``all``, ``train`` or ``val``) of :func:`split_by_group`."""
     if split not in DATA_SPLITS:
-        raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(DATA_SPLITS)}")
+        raise DataError(f"unknown split {split!r}; valid splits: {', '.join(DATA_SPLITS)}")
     if split == "all":
         return list(records)
     train, val = split_by_group(records, val_fraction, seed)
     if split == "val" and not val:
-        raise ValueError("--split val is empty: give a --val-fraction above 0")
+        raise DataError("--split val is empty: give a --val-fraction above 0")
     return train if split == "train" else val
 
 

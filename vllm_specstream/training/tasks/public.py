@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm_specstream.training.data import (
     ChatExample,
+    DataError,
     jsonl_records,
     sql_example,
     user_example,
@@ -74,9 +75,9 @@ def _json_list_items(text: str, path: Path) -> Iterator[tuple[int, Any]]:
             pos += 1
         return pos
 
-    def fail(pos: int, msg: str) -> ValueError:
+    def fail(pos: int, msg: str) -> DataError:
         line = text.count("\n", 0, pos) + 1
-        return ValueError(f"{path}:{line}: invalid JSON: {msg}")
+        return DataError(f"{path}:{line}: invalid JSON: {msg}")
 
     pos = skip_space(text.index("[") + 1)
     if pos < len(text) and text[pos] == "]":
@@ -102,14 +103,24 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
     ``file:line`` (the line a JSON record starts on, the line a CSV row ends on)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise DataError(f"{path}: no such file; give the path of the task's data file")
+    try:
+        yield from _rows(path)
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); give the task's data file "
+            "in its public format (CSV, JSON list or JSONL)"
+        ) from None
+
+
+def _rows(path: Path) -> Iterator[tuple[str, dict]]:
     if path.suffix.lower() == ".csv":
         with open(path, encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f)
             for row in reader:
                 where = f"{path}:{reader.line_num}"
                 if None in row:  # DictReader's key for cells beyond the header
-                    raise ValueError(f"{where}: more cells than the header's columns")
+                    raise DataError(f"{where}: more cells than the header's columns")
                 if any(row.values()):  # skip blank lines
                     yield where, row
         return
@@ -124,7 +135,7 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict]]:
 
 def _checked_object(item: Any, where: str) -> tuple[str, dict]:
     if not isinstance(item, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(item).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got {type(item).__name__}")
     return where, item
 
 
@@ -138,12 +149,12 @@ def _text(row: dict, field: str, where: str, *, required: bool = True) -> str:
                 if "messages" in row or "prompt" in row
                 else ""
             )
-            raise ValueError(f"{where}: missing field {field!r} (fields: {', '.join(row)}){hint}")
+            raise DataError(f"{where}: missing field {field!r} (fields: {', '.join(row)}){hint}")
         return ""
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+        raise DataError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
     if required and not value.strip():
-        raise ValueError(f"{where}: empty field {field!r}")
+        raise DataError(f"{where}: empty field {field!r}")
     return value.strip()
 
 
@@ -200,7 +211,7 @@ def _summaries(row: dict, where: str) -> tuple[str, ...]:
     fields = ("summary", *(f"summary{i}" for i in range(1, MAX_SUMMARIES + 1)))
     present = [f for f in fields if row.get(f) is not None]
     if not present:
-        raise ValueError(
+        raise DataError(
             f"{where}: missing field 'summary' (or 'summary1', 'summary2', ... in "
             f"multi-reference files; fields: {', '.join(row)})"
         )
@@ -237,10 +248,12 @@ def load_task_data(task: str, path: str | Path) -> list[TaskRecord]:
       ``summary1``, ``summary2``, ... for multi-reference files.
     """
     if task not in _LOADERS:
-        raise ValueError(f"unknown task {task!r} for --data; valid: {', '.join(PUBLIC_TASKS)}")
+        raise DataError(f"unknown task {task!r} for --data; valid: {', '.join(PUBLIC_TASKS)}")
     records = _LOADERS[task](read_rows(path))
     if not records:
-        raise ValueError(f"{path}: no records")
+        raise DataError(
+            f'{path}: no records; give the task\'s data file (docs/training.md, "Tasks")'
+        )
     return records
 
 
