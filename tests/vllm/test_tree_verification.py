@@ -201,11 +201,15 @@ def test_tree_widths_chosen_per_step_are_lossless(e2e):
 
 @pytest.fixture(scope="module")
 def compiled(e2e):
-    """The same requests in vLLM's default compiled mode: plain, and trees at every step."""
+    """The same requests in vLLM's default compiled mode: plain, and trees at every step.
+    The stream pass in the model's dtype, as on a CPU without native bf16 (AVX2, AVX-512
+    without bf16) on every CPU: the adapter's stream LoRA then stays unmerged and the pass
+    runs eagerly beside the compiled decoder (the compiled pass: test_compiled_streams.py)."""
     ckpt, _, requests, _, _ = e2e
     engine = {"block_size": 32, "enforce_eager": False}
     plain = run_engine(ckpt, 0, engine, requests)
-    tree = run_engine(ckpt, NODES, engine, requests, env=INSPECT_ENV, fields=TREES, trees=True)
+    fields = TREES | SAME_DRAFTS
+    tree = run_engine(ckpt, NODES, engine, requests, env=INSPECT_ENV, fields=fields, trees=True)
     return plain, tree
 
 

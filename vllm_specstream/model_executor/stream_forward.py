@@ -394,4 +394,28 @@ class VllmStreamOps:
         return rms_norm(s, self.layer.post_attention_layernorm)
 
     def act(self, gate_up: Tensor) -> Tensor:
-        return self.layer.mlp.act_fn(gate_up)
+        act_fn = self.layer.mlp.act_fn
+        if not torch.compiler.is_compiling():
+            act_fn = eager_activation(act_fn)
+        return act_fn(gate_up)
+
+
+def eager_activation(act_fn: Callable) -> Callable:
+    """``act_fn`` as vLLM dispatches it, without the ``torch.compile`` that a compiled
+    engine wraps around a disabled custom op's ``forward_native`` (``CustomOp.maybe_compile``,
+    for ops called outside the decoder's graphs). An eager stream pass (unmerged stream LoRA
+    deltas, e.g. wherever it runs in the model's dtype: AVX2, AVX-512 without bf16) would
+    otherwise compile ``SiluAndMul`` at its first pass, while serving the first request;
+    the function vLLM compiled is the same math, run eagerly as the rest of the pass. Anything else (an enabled op's kernel, a plain module) is ``act_fn`` itself."""
+    method = getattr(act_fn, "_forward_method", None)
+    if method is None:
+        return act_fn
+    # torch.compile(fn) keeps fn here; maybe_compile's own wrapper (ops that mark dynamic
+    # dimensions) wraps the compiled function with functools.wraps(fn).
+    compiled_from = getattr(method, "_torchdynamo_orig_callable", None)
+    if compiled_from is not None:
+        return compiled_from
+    native = getattr(act_fn, "forward_native", None)
+    if native is not None and getattr(method, "__wrapped__", None) == native:
+        return native
+    return act_fn
