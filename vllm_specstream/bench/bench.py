@@ -1,6 +1,7 @@
-"""``specstream bench``: plain vLLM vs ngram, suffix, Medusa and speculative streaming, one run.
+"""``specstream bench``: plain vLLM vs ngram, suffix, Medusa, EAGLE-3 and speculative streaming.
 
-Every method serves the same checkpoint (Medusa adds its heads on top) with the same
+Every method serves the same checkpoint (Medusa adds its heads on top, EAGLE-3 its drafter)
+with the same
 prompts, engine settings, batch sizes and temperatures. Each method runs in its own child
 process (a fresh engine, nothing shared), one after the other, so timings are comparable
 within one run; speedups are ratios to plain decoding measured in that same run. A shared
@@ -55,6 +56,7 @@ METHODS = (
     "ngram",
     "suffix",
     "medusa",
+    "eagle3",
     "specstream",
     "specstream-fixed",
     "specstream-suffix",
@@ -70,14 +72,15 @@ ON_REQUEST = ("specstream-fixed", "specstream-suffix", *TREE_METHODS)
 SUFFIX_METHODS = ("suffix", "specstream-suffix")
 
 
-def default_methods(medusa: str | None) -> tuple[str, ...]:
-    """Every method but those run on request: ``medusa`` only with heads, ``suffix`` only
-    where arctic-inference is importable."""
+def default_methods(medusa: str | None, eagle3: str | None = None) -> tuple[str, ...]:
+    """Every method but those run on request: ``medusa`` only with heads, ``eagle3`` only
+    with a drafter, ``suffix`` only where arctic-inference is importable."""
     return tuple(
         m
         for m in METHODS
         if m not in ON_REQUEST
         and (medusa or m != "medusa")
+        and (eagle3 or m != "eagle3")
         and (m != "suffix" or has_suffix_decoding())
     )
 
@@ -109,6 +112,9 @@ class BenchConfig:
     medusa: str | None = None
     """Medusa heads for the checkpoint (``specstream train --objective medusa --base CKPT``);
     required for the ``medusa`` method."""
+    eagle3: str | None = None
+    """EAGLE-3 drafter for the checkpoint (``specstream train --objective eagle3 --base
+    CKPT``); required for the ``eagle3`` method."""
     task: str = "sql"
     """Task of the prompts: its synthetic test split, or the format of ``data``."""
     prompts: str | None = None
@@ -160,7 +166,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if self.methods is None:
-            self.methods = default_methods(self.medusa)
+            self.methods = default_methods(self.medusa, self.eagle3)
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise ValueError(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
@@ -169,6 +175,10 @@ class BenchConfig:
         if "medusa" in self.methods and not self.medusa:
             raise ValueError(
                 "--methods includes medusa but --medusa (the heads' directory) is not given"
+            )
+        if "eagle3" in self.methods and not self.eagle3:
+            raise ValueError(
+                "--methods includes eagle3 but --eagle3 (the drafter's directory) is not given"
             )
         for method in SUFFIX_METHODS:
             if method in self.methods:
@@ -189,6 +199,11 @@ class BenchConfig:
             raise ValueError(f"--tree-top-k, --tree-prune or --suffix-drafts: {e}") from None
         if self.medusa and not (Path(self.medusa) / "config.json").is_file():
             raise ValueError(f"--medusa {self.medusa}: no config.json (a Medusa checkpoint?)")
+        if self.eagle3 and not (Path(self.eagle3) / "config.json").is_file():
+            raise ValueError(
+                f"--eagle3 {self.eagle3}: no config.json (an EAGLE-3 drafter written by "
+                "`specstream train --objective eagle3`?)"
+            )
         if not (Path(self.checkpoint) / "config.json").is_file():
             raise ValueError(f"checkpoint {self.checkpoint}: no config.json")
         if min(self.batch_sizes) < 1 or min(self.num_prompts, self.repeats, self.rounds) < 1:
@@ -252,6 +267,9 @@ def speculative_config_for(method: str, cfg: BenchConfig) -> dict | None:
             "model": cfg.medusa,
             "num_speculative_tokens": min(k, medusa_heads(cfg.medusa)),
         }
+    if method == "eagle3":
+        # vLLM's EAGLE-3 proposer: the drafter's one layer run k times per step.
+        return {"method": "eagle3", "model": cfg.eagle3, "num_speculative_tokens": k}
     if method in ("specstream", "specstream-suffix"):  # the latter: the same, with suffix drafts
         return speculative_config(k, **cfg.specstream_options)
     if method == "specstream-fixed":
@@ -304,6 +322,10 @@ def extra_params(method: str, cfg: BenchConfig) -> int:
     if method == "medusa":
         # The heads share the target's LM head (``original_lm_head``): only blocks are new.
         return count(Path(cfg.medusa) / "model.safetensors", lambda k: k.startswith("blocks."))
+    if method == "eagle3":
+        # Everything the drafter stores (its own LM head over the draft vocabulary included;
+        # the token embedding is the target's); ``d2t``/``t2d`` are index maps.
+        return count(Path(cfg.eagle3) / "model.safetensors", lambda k: k not in ("d2t", "t2d"))
     return 0
 
 

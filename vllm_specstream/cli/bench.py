@@ -31,6 +31,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             out_dir=args.out,
             methods=tuple(m for m in args.methods.split(",") if m) if args.methods else None,
             medusa=args.medusa,
+            eagle3=args.eagle3,
             task=args.task,
             prompts=args.prompts,
             data=args.data,
@@ -72,10 +73,12 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="plain vLLM vs ngram, suffix, Medusa, specstream: tok/s, speedup, TTFT/TPOT",
+        help="plain vLLM vs ngram, suffix, Medusa, EAGLE-3, specstream: tok/s, speedup, TTFT/TPOT",
         description="Serve one merged specstream checkpoint with each method (plain, vLLM "
         "ngram, vLLM suffix decoding (needs arctic-inference), vLLM medusa with heads trained "
-        "by `specstream train --objective medusa --base CKPT`, specstream), same prompts, batch "
+        "by `specstream train --objective medusa --base CKPT`, vLLM eagle3 with a drafter "
+        "trained by `specstream train --objective eagle3 --base CKPT`, specstream), same "
+        "prompts, batch "
         "sizes and temperatures, one fresh engine per method, in one run. Prints a Markdown "
         "table (tok/s, speedup, time to first token, decoding ms per output token, tokens per "
         "step, lossless) and writes OUT/bench.json, bench.md and bench.png (speedup vs batch "
@@ -84,10 +87,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("checkpoint", help="merged specstream checkpoint (specstream export)")
     p.add_argument("--medusa", help="Medusa heads directory (needed for the medusa method)")
+    p.add_argument("--eagle3", help="EAGLE-3 drafter directory (needed for the eagle3 method)")
     p.add_argument(
         "--methods",
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
-        "floor),ngram,suffix,medusa,specstream,specstream-fixed (the adaptive policy off),"
+        "floor),ngram,suffix,medusa,eagle3,specstream,specstream-fixed (the adaptive policy off),"
         "specstream-suffix (suffix-tree drafts where they pay more than the streams': "
         "--suffix-drafts),"
         "specstream-tree (draft trees verified in vLLM where the adaptive policy finds they "
@@ -97,7 +101,7 @@ def add_parser(sub) -> None:
         "adapter: --tree-prune) "
         "(default: all but specstream-fixed, specstream-suffix and the tree "
         "methods; medusa only "
-        "with --medusa, "
+        "with --medusa, eagle3 only with --eagle3, "
         "suffix only where arctic-inference is importable)",
     )
     p.add_argument("--task", default="sql", choices=ALL_TASKS, help=TASK_HELP)

@@ -58,6 +58,7 @@ def _train_task(args: argparse.Namespace) -> str | None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from vllm_specstream.checkpoint.config import LossConfig, PruneConfig, SpecStreamConfig
     from vllm_specstream.training.checkpoint import LoraSettings
+    from vllm_specstream.training.eagle3 import Eagle3Config
     from vllm_specstream.training.tasks import PUBLIC_TASKS
     from vllm_specstream.training.train import TrainArgs, train
 
@@ -129,12 +130,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         init_from=args.init_from,
         spec=spec,
         lora=lora,
+        eagle3=Eagle3Config(ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size),
         **{name: getattr(args, name) for name in FIELD_FLAGS},
     )
-    # streams-only, Medusa heads learning replies, and a run continuing an adapter
-    # (--init-from) write the replies they lack into the --distill file; other runs only read it
+    # streams-only, Medusa heads or an EAGLE-3 drafter learning replies, and a run continuing
+    # an adapter (--init-from) write the replies they lack into the --distill file; other runs
+    # only read it
     continues = bool(args.init_from) and args.objective in ("specstream", "ntp")
-    medusa_replies = args.objective == "medusa" and bool(args.distill)
+    medusa_replies = args.objective in ("medusa", "eagle3") and bool(args.distill)
     if args.distill:
         writes = args.objective == "streams-only" or continues or medusa_replies
         train_args.distill = _distill_file(args.distill, not writes)
@@ -214,6 +217,7 @@ def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = No
 
 def add_parser(sub) -> None:
     from vllm_specstream.checkpoint.config import LossConfig, SpecStreamConfig
+    from vllm_specstream.training.eagle3 import Eagle3Config
     from vllm_specstream.training.tasks import ALL_TASKS
     from vllm_specstream.training.train import TrainArgs
 
@@ -253,9 +257,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--objective",
         default="specstream",
-        choices=["specstream", "ntp", "medusa", "streams-only", "prune"],
+        choices=["specstream", "ntp", "medusa", "eagle3", "streams-only", "prune"],
         help="specstream: LoRA + streams (paper eq. 5); ntp: LoRA alone (the quality "
-        "baseline); medusa: Medusa heads on the frozen --base; streams-only: streams and a "
+        "baseline); medusa: Medusa heads on the frozen --base; eagle3: an EAGLE-3 drafter on "
+        "the frozen --base (served with vLLM's eagle3 method: --ttt-steps, "
+        "--draft-vocab-size); streams-only: streams and a "
         "stream-row LoRA on the frozen --base, trained on its own greedy replies to the "
         "task's prompts (generated with vLLM, cached in OUT/self_distill.jsonl): served, its "
         "outputs are the base model's; prune: the tree-pruning adapter alone (paper 3.2.3), "
@@ -266,7 +272,8 @@ def add_parser(sub) -> None:
         metavar="ADAPTER_DIR",
         help="a trained adapter to start from: with --objective prune, the adapter the pruning "
         "adapter is added to; with --objective medusa, trained heads (OUT of an earlier medusa "
-        "run, same --medusa-heads) to train further; otherwise its LoRA and streams are "
+        "run, same --medusa-heads) to train further; with --objective eagle3, a trained "
+        "drafter (same --draft-vocab-size); otherwise its LoRA and streams are "
         "trained further (the same --num-streams, --num-msa-layers, --init-rank)",
     )
     p.add_argument(
@@ -281,7 +288,7 @@ def add_parser(sub) -> None:
         help="learn the model's own greedy replies (a self_distill.jsonl, or the streams-only "
         "run directory holding one) instead of the task's references: with --init-from, "
         "the replies of that adapter merged (generated with vLLM into FILE where missing), so "
-        "that its streams learn what it says; with medusa, the --base model's replies "
+        "that its streams learn what it says; with medusa and eagle3, the --base model's replies "
         "(those a streams-only run wrote for the same base, or generated into FILE where "
         "missing). Without vLLM installed, Transformers writes them (on a GPU if there is one)",
     )
@@ -289,18 +296,21 @@ def add_parser(sub) -> None:
         "--distill-max-tokens",
         type=int,
         default=256,
-        help="streams-only, medusa and --init-from with --distill: longest reply to learn from",
+        help="streams-only, medusa, eagle3 and --init-from with --distill: longest reply to "
+        "learn from",
     )
     p.add_argument(
         "--distill-dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="streams-only, medusa and --init-from with --distill: dtype of the engine that "
+        help="streams-only, medusa, eagle3 and --init-from with --distill: dtype of the "
+        "engine that "
         "writes the replies (that of the deployment)",
     )
     add_field_flags(
         p, SpecStreamConfig, ["num_streams", "num_msa_layers", "stream_position", "init_rank"]
     )
+    add_field_flags(p, Eagle3Config, ["ttt_steps", "draft_vocab_size"])
     p.add_argument("--prune", action="store_true", help="also train the tree-pruning adapter")
     p.add_argument("--prune-rank", type=int, default=8)
     p.add_argument("--prune-threshold", type=float, default=0.01)

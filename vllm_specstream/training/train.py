@@ -21,6 +21,7 @@ from vllm_specstream.training.checkpoint import (
     load_stream_tensors,
     save_adapter,
 )
+from vllm_specstream.training.eagle3 import Eagle3Config
 from vllm_specstream.training.loss import specstream_loss
 from vllm_specstream.training.model import SpecStreamModel
 from vllm_specstream.training.tasks.holdout import DEFAULT_VAL_FRACTION
@@ -34,7 +35,7 @@ LOG_FILE = "train_log.jsonl"
 #: The frozen layers' output per training example, kept until the run finishes so that a
 #: resumed run does not compute it again.
 FROZEN_PREFIX_FILE = "frozen_prefix.pt"
-OBJECTIVES = ("specstream", "ntp", "medusa", "streams-only", "prune")
+OBJECTIVES = ("specstream", "ntp", "medusa", "eagle3", "streams-only", "prune")
 #: Objectives that train streams (stream embeddings, their adapters).
 STREAM_OBJECTIVES = ("specstream", "streams-only")
 #: How far a run got, written beside its adapter: the step reached of the run's ``steps``,
@@ -86,15 +87,17 @@ class TrainArgs:
     """Seed of that split (``specstream eval/bench --split val`` with the same values)."""
     objective: str = "specstream"
     """"specstream" (paper eq. 5), "ntp" (plain LoRA, the quality baseline), "medusa"
-    (Medusa heads on the frozen ``base``, saved for vLLM's ``medusa`` method) or
+    (Medusa heads on the frozen ``base``, saved for vLLM's ``medusa`` method), "eagle3" (an
+    EAGLE-3 drafter on the frozen ``base``, saved for vLLM's ``eagle3`` method) or
     "streams-only" (streams on the frozen ``base``: no LoRA on the main stream, a stream LoRA
     (``spec.stream_lora_rank``) on the stream rows; outputs stay the base model's)."""
     init_from: str | None = None
     """A trained adapter to start from. Objective "prune": the adapter the pruning adapter is
     added to (its LoRA and streams are loaded and stay frozen; the output is that adapter
     plus the pruning tensors); "medusa": trained heads (same ``medusa_heads``) to train
-    further; the other objectives train its LoRA and streams further (same ``spec``
-    settings)."""
+    further; "eagle3": a trained drafter (same draft vocabulary size and auxiliary layers)
+    to train further; the other objectives train its LoRA and streams further (same
+    ``spec`` settings)."""
     distill: str | None = None
     """Self-distillation file (JSONL of ``messages`` and ``completion``): every example's
     completion is replaced by the model's own greedy reply to its prompt (the base's for
@@ -110,6 +113,8 @@ class TrainArgs:
     """Share of the schema's word parts each renamed copy renames."""
     medusa_heads: int = 4
     """Number of Medusa heads (objective medusa)."""
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    """The EAGLE-3 drafter's settings (objective eagle3)."""
     spec: SpecStreamConfig = field(default_factory=SpecStreamConfig)
     lora: LoraSettings | None = field(default_factory=LoraSettings)
     steps: int = 300
@@ -288,7 +293,7 @@ def collate(encoded: list[dict]) -> dict[str, torch.Tensor]:
 def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress: bool = False):
     """The function from example indices to a training batch: padded (:func:`collate`), or
     packed, with the frozen layers' output cached where that applies (:mod:`fast_batches`;
-    Medusa heads: the whole model is frozen, its final hidden state is cached)."""
+    Medusa heads and EAGLE-3 drafters: the whole model is frozen, its outputs are cached)."""
     from vllm_specstream.training.fast_batches import (
         cache_key,
         first_trainable_layer,
@@ -298,7 +303,7 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
         prefix_hidden,
     )
 
-    medusa = isinstance(job, MedusaJob)
+    medusa = isinstance(job, (MedusaJob, Eagle3Job))  # the whole base is frozen
     model = job.model
     start = 0
     if args.frozen_prefix:
@@ -315,7 +320,7 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
         )
         start = 0
     if start > 0:
-        h = model.lm.config.hidden_size
+        h = getattr(model, "feature_width", model.lm.config.hidden_size)
         gib = sum(len(e["input_ids"]) for e in train_set) * h * 4 / 2**30
         if gib > args.frozen_prefix_max_gib:
             logger.warning(
@@ -332,7 +337,11 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
                         return model.final_hidden(train_set, progress=progress)
                     return prefix_hidden(model, train_set, start, progress=progress)
 
-            key = cache_key(args.base, args.init_from, start, medusa, args.dtype, encoded=train_set)
+            # An EAGLE-3 drafter caches other states than Medusa heads' (its auxiliary layers).
+            drafter = ("eagle3", model.aux_layer_ids) if isinstance(job, Eagle3Job) else ()
+            key = cache_key(
+                args.base, args.init_from, start, medusa, args.dtype, *drafter, encoded=train_set
+            )
             hidden = load_or_compute(Path(args.out) / FROZEN_PREFIX_FILE, key, compute)
             logger.info(
                 "Layers 0-%d are frozen: their output for %d examples cached (%.2f GiB, %.0f s)",
@@ -622,10 +631,89 @@ class MedusaJob:
         self.model.load_trainable(ckpt)
 
 
-def make_job(args: TrainArgs):
+class Eagle3Job:
+    """An EAGLE-3 drafter on the frozen base model (a peer baseline): its draft vocabulary
+    is the training answers' most frequent tokens."""
+
+    def __init__(self, args: TrainArgs, train_set: list[dict]):
+        from vllm_specstream.training.checkpoint import load_base_lm
+        from vllm_specstream.training.eagle3 import (
+            Eagle3Drafter,
+            answer_token_counts,
+            draft_vocab_ids,
+        )
+
+        self.args = args
+        lm = load_base_lm(args.base, torch.float32)
+        settings = args.eagle3
+        if args.init_from:
+            settings = self._settings_of(Path(args.init_from))
+        ids = draft_vocab_ids(
+            answer_token_counts(train_set), lm.config.vocab_size, settings.draft_vocab_size
+        )
+        self.model = Eagle3Drafter(lm, settings, ids)
+        if args.init_from:
+            self.model.load_trainable(args.init_from)
+            logger.info("Starting from the EAGLE-3 drafter %s", args.init_from)
+
+    def _settings_of(self, drafter_dir: Path) -> Eagle3Config:
+        """A trained drafter's settings, which must be this run's (but for the unroll)."""
+        import dataclasses
+
+        from vllm_specstream.training.eagle3 import read_settings
+
+        trained = read_settings(drafter_dir)
+        ours = self.args.eagle3
+        if ours.draft_vocab_size != trained.draft_vocab_size:
+            raise ConfigError(
+                f"--init-from {drafter_dir}: its draft_vocab_size is "
+                f"{trained.draft_vocab_size}, this run's {ours.draft_vocab_size}; pass "
+                f"--draft-vocab-size {trained.draft_vocab_size}"
+            )
+        if ours.aux_layer_ids is not None and tuple(ours.aux_layer_ids) != trained.aux_layer_ids:
+            raise ConfigError(
+                f"--init-from {drafter_dir}: its aux_layer_ids are {list(trained.aux_layer_ids)}, "
+                f"this run's {list(ours.aux_layer_ids)}; train with the drafter's"
+            )
+        return dataclasses.replace(
+            trained, ttt_steps=ours.ttt_steps, ttt_step_weight=ours.ttt_step_weight
+        )
+
+    def loss(self, batch):
+        return self.model.loss(batch)
+
+    def param_groups(self) -> list[dict]:
+        return [
+            {
+                "params": list(self.model.trainable().values()),
+                "lr": self.args.lr,
+                "weight_decay": 0.0,
+            }
+        ]
+
+    def calibrate(self, batch: dict) -> None:
+        pass
+
+    def log_extra(self) -> dict[str, float]:
+        return {}
+
+    def save(self, out: Path) -> None:
+        self.model.save(out)
+
+    def load_trainable(self, ckpt: Path) -> None:
+        self.model.load_trainable(ckpt)
+
+
+def make_job(args: TrainArgs, train_set: list[dict] | None = None):
+    """The job of ``args.objective`` (``train_set``: the encoded training examples, which
+    choose an EAGLE-3 drafter's vocabulary)."""
     if args.objective not in OBJECTIVES:
         raise ValueError(f"--objective must be one of {OBJECTIVES}, got {args.objective!r}")
-    return MedusaJob(args) if args.objective == "medusa" else SpecStreamJob(args)
+    if args.objective == "medusa":
+        return MedusaJob(args)
+    if args.objective == "eagle3":
+        return Eagle3Job(args, train_set or [])
+    return SpecStreamJob(args)
 
 
 @torch.no_grad()
@@ -801,7 +889,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
     if not train_set:
         raise ValueError(f"no training examples (task={args.task!r}, data={args.data!r})")
     out.mkdir(parents=True, exist_ok=True)  # once the data and base are known to be usable
-    job = make_job(args)
+    job = make_job(args, train_set)
     if dtype == torch.bfloat16:
         cast_frozen_linears(job.model, dtype)
     job.model.to(device)
@@ -889,7 +977,7 @@ def train(args: TrainArgs, progress: bool = True) -> Path:
             log.flush()
             bar.update()
             run_tokens += tokens
-            shown = ("loss", "top1_main", "top1_stream1")
+            shown = ("loss", "top1_main", "top1_stream1", "top1_step1")
             postfix = {k: f"{v:.3f}" for k, v in totals.items() if k in shown}
             postfix["tok/s"] = f"{run_tokens / max(1e-9, time.monotonic() - started):.0f}"
             bar.set_postfix(postfix)
