@@ -46,6 +46,8 @@ LONGEST_FIRST = (
     "vllm/test_base_families.py",
     "vllm/test_streams_only_serving.py",
     "vllm/test_tree_verification.py",
+    "vllm/test_request_features.py",
+    "vllm/test_eagle3_serving.py",
     "vllm/test_ray_serve.py",
     "vllm/test_serve.py",
     "vllm/test_patches.py",

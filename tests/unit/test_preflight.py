@@ -53,6 +53,7 @@ def check(
     model=PROPOSER,
     lora=False,
     tp=1,
+    pp=1,
     **fields,
 ):
     """``check_setup`` of ``ckpt`` served with ``k`` drafts, with the engine's options as
@@ -73,6 +74,7 @@ def check(
         platform=platform,
         lora_enabled=lora,
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         options=options,
     )
 
@@ -353,6 +355,14 @@ def test_draft_trees_need_one_rank_and_a_tree_that_fills_the_drafts(tmp_path):
     check(ckpt, k=2, tp=2)  # chains under tensor parallelism
     with pytest.raises(ConfigError, match=r"num_speculative_tokens=20 exceeds the 14 nodes"):
         check(ckpt, k=20, tree_top_k=2)
+
+
+def test_speculation_under_pipeline_parallelism_is_refused_before_the_engine_starts(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 1 only, got 2: serve this"):
+        check(ckpt, k=2, pp=2)
+    check(ckpt, k=None, pp=2)  # the checkpoint itself serves plainly
+    check(ckpt, k=2, tp=2)
 
 
 def test_a_retired_proposer_class_is_refused_naming_its_placement(tmp_path):

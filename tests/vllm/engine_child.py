@@ -178,6 +178,51 @@ def generate(
     }
 
 
+def features(ckpt: str, k: int, engine: dict, requests: list[dict]) -> dict:
+    """``requests`` with vLLM's request features: each ``{"prompt", "params"}``, ``params``
+    being ``SamplingParams`` fields (``structured_outputs``: ``StructuredOutputsParams``
+    fields). Per request, each of its ``n`` outputs' tokens, text and chosen-token logprobs,
+    its prompt logprobs, and its speculation metrics."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    extra = {"per_request_spec_decode_metrics": "summary"} if k else {}
+    llm = _llm(ckpt, k, None, disable_log_stats=False, **engine, **extra)
+    params = []
+    for r in requests:
+        fields = dict(r["params"])
+        if "structured_outputs" in fields:
+            fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
+        params.append(SamplingParams(**fields))
+    outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
+
+    def chosen(output) -> list[float] | None:
+        if output.logprobs is None:
+            return None
+        return [lp[t].logprob for t, lp in zip(output.token_ids, output.logprobs)]
+
+    return {
+        "requests": [
+            {
+                "outputs": [
+                    {"tokens": list(c.token_ids), "text": c.text, "logprobs": chosen(c)}
+                    for c in o.outputs
+                ],
+                "prompt_logprobs": None
+                if o.prompt_logprobs is None
+                else [
+                    None if lp is None else lp[t].logprob
+                    for t, lp in zip(o.prompt_token_ids, o.prompt_logprobs)
+                ],
+                "spec": o.outputs[0].spec_decode_metrics
+                and o.outputs[0].spec_decode_metrics.to_dict(),
+            }
+            for o in outs
+        ],
+        "metrics": _metrics(llm, "spec_decode"),
+    }
+
+
 def _compare_stream_layers(model) -> dict:
     """The stream pass's layer function (compiled in a compiled engine) against the eager
     one, per MSA layer, on the same random stand-in rows, main keys/values and cache: the
@@ -400,6 +445,7 @@ CHILDREN = {
     f.__name__: f
     for f in (
         generate,
+        features,
         probe,
         fail_to_start,
         sample,
@@ -425,8 +471,9 @@ def run_child(
     with ``check``, a failed child fails the test with the end of its stderr. The engine
     runs in that process (:data:`IN_PROCESS_ENV`) unless ``processes`` or tensor
     parallelism asks for vLLM's own processes."""
-    tp = (args.get("engine") or {}).get("tensor_parallel_size", 1)
-    layout = {} if processes or tp > 1 else IN_PROCESS_ENV
+    engine = args.get("engine") or {}
+    ranks = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
+    layout = {} if processes or ranks > 1 else IN_PROCESS_ENV
     environ = {**os.environ, **layout, **(env or {})}
     server = ForkServer.shared() if layout else None
     if server is not None and server.can_run(environ, {**layout, **(env or {})}):

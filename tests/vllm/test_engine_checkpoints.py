@@ -181,3 +181,17 @@ def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, monkeypatch):
     spec_tp3 = run_engine(tiny_merged_tp3, 3, tp3, requests)
     assert spec_tp3["tokens"] == single["tokens"]
     assert spec_tp3["metrics"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_pipeline_parallel_2_serves_the_checkpoint_plainly(tiny_merged, monkeypatch):
+    """PP 2 (multiprocessing executor, compiled: vLLM 0.32's CPU runner makes the pipeline's
+    receiving buffers only when it warms up a compiled model): the residual stream entering
+    the MSA layers crosses the ranks in the intermediate tensors; greedy output equals one
+    rank's. Speculation there is refused before the engine starts (test_preflight.py)."""
+    requests = make_requests(8, seed=4)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    compiled = {"enforce_eager": False}
+    pp2 = compiled | {"pipeline_parallel_size": 2, "kv_cache_memory_bytes": 64 << 20}  # per rank
+    single = run_engine(tiny_merged, 0, compiled, requests)
+    plain_pp2 = run_engine(tiny_merged, 0, pp2, requests)
+    assert plain_pp2["tokens"] == single["tokens"]

@@ -56,6 +56,7 @@ from vllm_specstream.model_executor.lora.adapter_streams import Deployment
 from vllm_specstream.model_executor.lora.lora_streams import base_logits_processor
 from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout, layer_kv_cache
+from vllm_specstream.model_executor.pipeline import reserve_aux_slots
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
 from vllm_specstream.model_executor.stream_forward import (
     StreamParams,
@@ -170,6 +171,7 @@ class SpecStreamMixin:
         # vLLM's public EAGLE-3 hook: the decoder then also returns the residual stream
         # entering L0, which the streams start from.
         self.set_aux_hidden_state_layers((self.first_msa_layer,))
+        reserve_aux_slots(self)
         self._layer_name = attention_layer_name(self._layer_prefix, n - 1)
         self._runner: StreamRunner | None = None
         self._stream_weights: StreamWeights | None = None

@@ -43,6 +43,9 @@ def check_vllm_config(vllm_config) -> None:
         tensor_parallel_size=getattr(
             getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
         ),
+        pipeline_parallel_size=getattr(
+            getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1
+        ),
         options=options,
     )
     if options is not None and options.num_speculative_tokens and current_platform.is_cpu():

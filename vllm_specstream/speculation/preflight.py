@@ -66,6 +66,15 @@ STREAM_LORA_TP_ERROR = (
     "tensor_parallel_size 1 only, got {tp}: serve it with -tp 1"
 )
 
+#: Under pipeline parallelism the checkpoint serves plainly (the streams' input crosses the
+#: ranks: model_executor/pipeline.py), but drafting there has not shown token identity with
+#: plain decoding yet: refused rather than served with other outputs.
+SPECULATION_PP_ERROR = (
+    "specstream speculation runs with pipeline_parallel_size 1 only, got {pp}: serve this "
+    "checkpoint at -pp {pp} without --spec-model (it serves plainly), or speculate with "
+    "tensor parallelism (-tp) instead"
+)
+
 #: A base served for adapters has no streams of its own: without LoRA nothing drafts.
 ADAPTER_STREAMS_NEED_LORA = (
     f"{{where}}: specstream.{ADAPTER_STREAMS_ONLY} is set (a base model whose requests draft "
@@ -89,6 +98,7 @@ def check_setup(
     load_format: str = "auto",
     lora_enabled: bool = False,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     options: SpecStreamOptions | None = None,
 ) -> None:
     """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
@@ -102,6 +112,8 @@ def check_setup(
     options = options or SpecStreamOptions(num_speculative_tokens or 0)
     if speculating:
         check_platform(platform)
+        if num_speculative_tokens and pipeline_parallel_size > 1:
+            raise ConfigError(SPECULATION_PP_ERROR.format(pp=pipeline_parallel_size))
     model_dir = Path(model)
     local = model_dir.is_dir()
     config_file = f"{model_dir / 'config.json'}" if local else f"{model} config.json"
