@@ -147,11 +147,40 @@ def test_summary_speedup_tokens_per_step_cr_ratio_lossless(dirs, tmp_path):
     assert not [r for r in summarize(results, cfg) if r["temperature"] == 0][1]["lossless"]
     table = markdown_table(summarize(results, cfg))
     row = (
-        "| specstream | 0 | 1 | 22.00 | 2.00x | 300.0 | 20.0 | 2.50x | 3.00 | 3.00 | **no** | 32 |"
+        "| specstream | 0 | 1 | 22.00 | 2.00x (plain) | 300.0 | 20.0 | 2.50x | 3.00 | 3.00 | **no** "
+        "| 32 |"
     )
     assert row in table
     plot(summarize(results, cfg), tmp_path / "bench.png", "title")
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_speedups_are_against_the_faster_plain_engine(dirs):
+    # Plain decoding on every core beside the run's binding: each cell's speedup is against
+    # the faster of the two; outputs are still compared with plain's.
+    cfg = BenchConfig(checkpoint=str(dirs[0]), methods=("plain", "plain-all-cores", "specstream"))
+    results = {
+        "plain": {"cells": [_cell(0.0, 1, [10], [[1, 2]], 30), _cell(0.0, 4, [40], [[1]], 30)]},
+        "plain-all-cores": {
+            "cells": [_cell(0.0, 1, [16], [[1, 2]], 30), _cell(0.0, 4, [32], [[1]], 30)]
+        },
+        "specstream": {
+            "cells": [
+                _cell(0.0, 1, [24], [[1, 2]], 30, drafts=10, accepted=20),
+                _cell(0.0, 4, [60], [[1]], 30, drafts=10, accepted=20),
+            ]
+        },
+    }
+    rows = {(r["method"], r["batch_size"]): r for r in summarize(results, cfg)}
+    assert rows[("specstream", 1)]["speedup"] == 1.5
+    assert rows[("specstream", 1)]["against"] == "plain-all-cores"
+    assert (
+        rows[("specstream", 4)]["speedup"] == 1.5 and rows[("specstream", 4)]["against"] == "plain"
+    )
+    assert rows[("plain", 1)]["speedup"] == 0.625 and rows[("specstream", 1)]["lossless"]
+    assert "plain-all-cores" in cfg.methods
+    nobind = BenchConfig(checkpoint=str(dirs[0]), omp_threads_bind="nobind")
+    assert "plain-all-cores" not in nobind.methods  # the run's binding is every core already
 
 
 def test_rounds_combine_per_round_speedups(dirs):

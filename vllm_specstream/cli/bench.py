@@ -91,7 +91,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--methods",
         help="comma-separated, from plain,plain-control (a second plain engine: the run's noise "
-        "floor),ngram,suffix,medusa,eagle3,specstream,specstream-fixed (the adaptive policy off),"
+        "floor),plain-all-cores (plain decoding on every core: speedups are against the faster "
+        "of it and plain),ngram,suffix,medusa,eagle3,specstream,specstream-fixed (the adaptive policy off),"
         "specstream-suffix (suffix-tree drafts where they pay more than the streams': "
         "--suffix-drafts),"
         "specstream-tree (draft trees verified in vLLM where the adaptive policy finds they "
