@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import free_port, venv_script
 
+from vllm_specstream.bench.prometheus import metric
+
 pytestmark = [pytest.mark.serve, pytest.mark.model]
 
 DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm2-ss4"
@@ -323,19 +325,6 @@ async def _session(spec_url, plain_url, prompts):
     await spec.close()
     await plain.close()
     return expected, results[: len(CASES)], results[len(CASES) :], after
-
-
-def metric(text: str, name: str, **labels) -> float | None:
-    """Sum of the samples ``name`` with ``labels`` in a Prometheus exposition, or None."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = [
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    ]
-    return sum(values) if values else None
 
 
 def test_specstream_server_with_openai_client(servers):
