@@ -303,7 +303,7 @@ def batch_maker(job, args: TrainArgs, train_set: list[dict], autocast, progress:
         prefix_hidden,
     )
 
-    medusa = isinstance(job, (MedusaJob, Eagle3Job))  # the whole base is frozen
+    medusa = isinstance(job, FrozenBaseJob)  # the whole base is frozen
     model = job.model
     start = 0
     if args.frozen_prefix:
@@ -580,7 +580,36 @@ def _pruning_model(args: TrainArgs) -> SpecStreamModel:
     return model
 
 
-class MedusaJob:
+class FrozenBaseJob:
+    """A drafter trained on the frozen base model (Medusa heads, an EAGLE-3 drafter): the
+    drafter (``self.model``) computes its own loss and writes its own checkpoint; only the
+    parameters :meth:`trainable` names train, without weight decay."""
+
+    args: TrainArgs
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        raise NotImplementedError
+
+    def loss(self, batch):
+        return self.model.loss(batch)
+
+    def param_groups(self) -> list[dict]:
+        return [{"params": self.trainable(), "lr": self.args.lr, "weight_decay": 0.0}]
+
+    def calibrate(self, batch: dict) -> None:
+        pass
+
+    def log_extra(self) -> dict[str, float]:
+        return {}
+
+    def save(self, out: Path) -> None:
+        self.model.save(out)
+
+    def load_trainable(self, ckpt: Path) -> None:
+        self.model.load_trainable(ckpt)
+
+
+class MedusaJob(FrozenBaseJob):
     """Medusa heads on the frozen base model (the peer baseline)."""
 
     def __init__(self, args: TrainArgs):
@@ -606,32 +635,11 @@ class MedusaJob:
             )
         self.model.load_trainable(heads_dir)
 
-    def loss(self, batch):
-        return self.model.loss(batch)
-
-    def param_groups(self) -> list[dict]:
-        return [
-            {
-                "params": list(self.model.blocks.parameters()),
-                "lr": self.args.lr,
-                "weight_decay": 0.0,
-            }
-        ]
-
-    def calibrate(self, batch: dict) -> None:
-        pass
-
-    def log_extra(self) -> dict[str, float]:
-        return {}
-
-    def save(self, out: Path) -> None:
-        self.model.save(out)
-
-    def load_trainable(self, ckpt: Path) -> None:
-        self.model.load_trainable(ckpt)
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return list(self.model.blocks.parameters())
 
 
-class Eagle3Job:
+class Eagle3Job(FrozenBaseJob):
     """An EAGLE-3 drafter on the frozen base model (a peer baseline): its draft vocabulary
     is the training answers' most frequent tokens."""
 
@@ -679,29 +687,8 @@ class Eagle3Job:
             trained, ttt_steps=ours.ttt_steps, ttt_step_weight=ours.ttt_step_weight
         )
 
-    def loss(self, batch):
-        return self.model.loss(batch)
-
-    def param_groups(self) -> list[dict]:
-        return [
-            {
-                "params": list(self.model.trainable().values()),
-                "lr": self.args.lr,
-                "weight_decay": 0.0,
-            }
-        ]
-
-    def calibrate(self, batch: dict) -> None:
-        pass
-
-    def log_extra(self) -> dict[str, float]:
-        return {}
-
-    def save(self, out: Path) -> None:
-        self.model.save(out)
-
-    def load_trainable(self, ckpt: Path) -> None:
-        self.model.load_trainable(ckpt)
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return list(self.model.trainable().values())
 
 
 def make_job(args: TrainArgs, train_set: list[dict] | None = None):
