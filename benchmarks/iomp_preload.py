@@ -1,8 +1,8 @@
 """Does preloading Intel OpenMP (libiomp5) speed up vLLM's CPU decode? Plain vLLM, batch 1.
 
-Runs the same greedy generations in two engine processes, one with vllm-specstream's
-``LD_PRELOAD`` of the venv's ``libiomp5.so`` and one with vLLM's default (PyTorch's GNU
-OpenMP), alternating, and prints median output tokens/s of each and their ratio.
+Runs the same greedy generations in two engine processes, one with the venv's
+``libiomp5.so`` in ``LD_PRELOAD`` (what vllm-specstream gives its engines) and one with
+vLLM's default (PyTorch's GNU OpenMP), alternating, and prints median output tokens/s of each and their ratio.
 
     .venv/bin/python benchmarks/iomp_preload.py [--repeats 5] [--max-tokens 128]
 """
@@ -46,7 +46,12 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_variant(preload: bool, args: argparse.Namespace) -> list[float]:
-    env = dict(os.environ, SPECSTREAM_IOMP_PRELOAD="1" if preload else "0")
+    from vllm_specstream.patches.cpu_env import find_iomp
+
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if preload:
+        env["LD_PRELOAD"] = str(find_iomp())
     cmd = [
         sys.executable,
         __file__,

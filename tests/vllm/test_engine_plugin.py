@@ -41,6 +41,16 @@ def test_register_runs_in_engine_core_and_worker(engine_run):
     assert "Failed to load plugin" not in log
 
 
+def test_a_plain_engine_is_left_as_vllm_makes_it(engine_run):
+    # The plugin's fixes of vLLM are for specstream engines (patches/engine_scope.py): in a
+    # plain engine's processes only the two front-end hooks are installed.
+    log = engine_run[1].stdout + engine_run[1].stderr
+    lines = [line for line in log.splitlines() if "vllm-specstream registered with" in line]
+    assert len(lines) >= 2, lines  # the engine core and the worker
+    for line in lines:
+        assert line.endswith("patches: engine-config-check, spec-model-alias)"), line
+
+
 def test_greedy_matches_transformers(engine_run, base_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,7 +81,11 @@ def test_bf16_engine_runs_with_onednn_capped_below_amx(base_model_dir):
     # cannot run, and the worker died at its first step (patches/onednn_amx_cap.py).
     result, out = run_child(
         "plain_run",
-        env={"ONEDNN_MAX_CPU_ISA": "AVX2", "VLLM_LOGGING_LEVEL": "DEBUG"},
+        env={
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "VLLM_LOGGING_LEVEL": "DEBUG",
+            "SPECSTREAM_VLLM_PATCHES": "1",
+        },
         check=False,
         processes=True,  # the user's process layout: the worker must be patched too
         model=str(base_model_dir),

