@@ -22,6 +22,7 @@
 # OBJECTIVES=committed-medusa trains Medusa heads for the task's committed adapter with the
 # same budget, on that adapter's own greedy replies (RUNS/TASK-committed-medusa; the adapter
 # merged in RUNS/TASK-committed-merged): Table 1's peer baseline without the adapter's runs.
+# OBJECTIVES=committed-eagle3 trains an EAGLE-3 drafter the same way (RUNS/TASK-committed-eagle3).
 # OBJECTIVES=streams-only trains streams on the frozen base and Medusa heads beside them.
 # OBJECTIVES=self-distill continues the trained specstream adapter on its own greedy replies
 # (written with vLLM by the adapter merged; SD_STEPS steps, default 200, small LoRA learning
@@ -169,6 +170,17 @@ if has committed-medusa; then
         $BIN/specstream export "$COMMITTED" "$R-committed-merged" --dtype float32
     "${RUN[@]}" $BIN/specstream train --out "$R-committed-medusa" --objective medusa \
         --base "$R-committed-merged" --distill "$R-committed-medusa/self_distill.jsonl" \
+        "${COMMON[@]}" "${TWO_STAGE[@]}"
+fi
+
+# An EAGLE-3 drafter for the committed adapter: the model it serves, frozen, its own replies
+# and the same budget as the committed Medusa heads (served with vLLM's eagle3 method:
+# `specstream bench RUNS/TASK-committed-merged --eagle3 RUNS/TASK-committed-eagle3`).
+if has committed-eagle3; then
+    [ -f "$R-committed-merged/config.json" ] ||
+        $BIN/specstream export "$COMMITTED" "$R-committed-merged" --dtype float32
+    "${RUN[@]}" $BIN/specstream train --out "$R-committed-eagle3" --objective eagle3 \
+        --base "$R-committed-merged" --distill "$R-committed-eagle3/self_distill.jsonl" \
         "${COMMON[@]}" "${TWO_STAGE[@]}"
 fi
 

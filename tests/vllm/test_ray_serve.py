@@ -1,11 +1,16 @@
-"""Ray Serve: a specstream checkpoint served by 2 vLLM replicas behind one OpenAI endpoint.
+"""Ray Serve: a specstream checkpoint served by 2 vLLM replicas on 2 Ray nodes behind one
+OpenAI endpoint.
 
-Ray starts once and the application deploys once (module fixture); while it deploys, a
-single vLLM engine with the same speculative config computes the reference outputs in a
-subprocess. Checked: concurrent requests are served by both replicas, each computing on
-its own core with specstream speculation; greedy outputs equal the single engine's, over
-HTTP and through Ray Data batch inference over a JSONL; Ray shuts down leaving no process.
-Without an engine: the deployment settings derived for CPUs and for GPUs (vLLM's Ray executor).
+A Ray cluster of two nodes starts once on this machine (``ray.cluster_utils.Cluster``: a
+head and a worker node, each its own raylet) and the application deploys once (module
+fixture), one replica per node; while it deploys, a single vLLM engine with the same
+speculative config computes the reference outputs in a subprocess. Checked: concurrent
+requests are served by both replicas, each on its own node and core with specstream
+speculation; greedy outputs equal the single engine's, over HTTP and through Ray Data batch
+inference over a JSONL; when the worker node dies, the requests it was serving end with an
+HTTP error instead of hanging, the head node's replica serves on and Serve reports the
+deployment's state; Ray shuts down leaving no process. Without an engine: the deployment
+settings derived for CPUs and for GPUs (vLLM's Ray executor).
 """
 
 from __future__ import annotations
@@ -47,15 +52,31 @@ def make_requests(n: int) -> list[dict]:
     ]
 
 
-def complete(url: str, request: dict) -> dict:
+def complete(url: str, request: dict, timeout: float = 300) -> dict:
     body = {"model": APP, "temperature": 0, "return_token_ids": True, **request}
     req = urllib.request.Request(
         f"{url}/v1/completions",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=300) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def outcome(url: str, request: dict, timeout: float) -> dict:
+    """How a request ended: its tokens, an HTTP error's status, or another error (a
+    timeout: the request hung)."""
+    import urllib.error
+
+    start = time.monotonic()
+    try:
+        tokens = complete(url, request, timeout)["choices"][0]["token_ids"]
+        out = {"ok": len(tokens)}
+    except urllib.error.HTTPError as e:
+        out = {"http_error": e.code}
+    except Exception as e:  # noqa: BLE001 (recorded: the test says which)
+        out = {"error": f"{type(e).__name__}: {e}"}
+    return {**out, "seconds": round(time.monotonic() - start, 1)}
 
 
 def replica_infos(handle, want: int, tries: int = 60) -> dict[str, dict]:
@@ -102,6 +123,8 @@ def ray_run(tiny_merged, tmp_path_factory):
     out["reference_http"], out["reference_batch"] = tokens[:24], tokens[24:]
     out["http_requests"], out["batch_requests"] = http_requests, batch_requests
     print(f"Ray: deployed in {out['deploy_s']:.0f} s, queries took {out['query_s']:.0f} s")
+    print(f"Worker node killed: in flight {out['in_flight']}, after {out['after_kill']}, ")
+    print(f"Serve: {out['deployment_status']} {out['replica_states']}")
     return out
 
 
@@ -127,6 +150,7 @@ def serve_and_query(checkpoint, tmp, http_requests, batch_requests, reference_pi
     import psutil
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
     from vllm_specstream.ray.data import BatchConfig, generate_jsonl, serve_processor
     from vllm_specstream.ray.serve import SpecStreamServeConfig, build_app, server_deployment_name
@@ -137,6 +161,10 @@ def serve_and_query(checkpoint, tmp, http_requests, batch_requests, reference_pi
         num_speculative_tokens=K,
         max_model_len=512,
         kv_cache_bytes=256 << 20,
+        replica_resources={"replica_slot": 1},  # one per node
+        # The ingress on the head node, beside Serve's controller and HTTP proxy: the
+        # endpoint outlives the worker node.
+        ingress_actor_options={"resources": {"node:__internal_head__": 0.001}},
     )
     out: dict = {}
     start = time.monotonic()
@@ -146,10 +174,16 @@ def serve_and_query(checkpoint, tmp, http_requests, batch_requests, reference_pi
     # reference here, other test files' beside it) misses: its processes get longer.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
-    ray.init(num_cpus=4, include_dashboard=False)
+    node = {"num_cpus": 2, "resources": {"replica_slot": 1}}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    worker_node = cluster.add_node(**node)
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    out["nodes"] = {"head": cluster.head_node.node_id, "worker": worker_node.node_id}
     try:
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One HTTP proxy, on the head node (the nodes share this host and its ports).
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP, route_prefix="/")
         out["deploy_s"] = time.monotonic() - start
         url = f"http://127.0.0.1:{port}"
@@ -166,16 +200,49 @@ def serve_and_query(checkpoint, tmp, http_requests, batch_requests, reference_pi
         out["batch"] = [json.loads(x) for x in (tmp / "out.jsonl").read_text().splitlines()]
         out["after_batch"] = replica_infos(handle, config.num_replicas)
         out["query_s"] = time.monotonic() - start - out["deploy_s"]
+        out.update(kill_worker_node(cluster, worker_node, url, handle, out["after_batch"]))
     finally:
-        # Everything Ray started descends from this process (raylet, GCS, workers,
+        # Everything Ray started descends from this process (raylets, GCS, workers,
         # replicas and their vLLM engine processes), beside the reference engine's tree.
         started = descendants(exclude_tree=reference_pid)
         serve.shutdown()
         ray.shutdown()
+        cluster.shutdown()
     _, alive = psutil.wait_procs(started, timeout=60)
     out["ray_processes"] = len(started)
     out["left_running"] = {p.pid: p.cmdline() for p in alive if p.is_running()}
     return out
+
+
+IN_FLIGHT = 6
+LONG = 480  # tokens: within max_model_len 512
+
+
+def kill_worker_node(cluster, worker_node, url: str, handle, infos: dict) -> dict:
+    """Long requests in flight on both replicas, then the worker node's processes killed:
+    how each request ended, what the surviving replica served, and Serve's status."""
+    from ray import serve
+
+    long = {"prompt": "select name from table where", "max_tokens": LONG, "ignore_eos": True}
+    survivor = next(i for i in infos.values() if i["node_id"] != worker_node.node_id)
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        pending = [pool.submit(outcome, url, long, 240) for _ in range(IN_FLIGHT)]
+        time.sleep(2)  # every request admitted and decoding (each takes ~10 s)
+        cluster.remove_node(worker_node, allow_graceful=False)
+        in_flight = [f.result() for f in pending]
+    after = [outcome(url, r, 240) for r in make_requests(4)]
+    survivor_now = replica_infos(handle, 1, tries=8)
+    app = serve.status().applications[APP]
+    deployment = app.deployments[handle.deployment_name]
+    return {
+        "in_flight": in_flight,
+        "after_kill": after,
+        "survivor_before": survivor,
+        "survivor_after": survivor_now.get(survivor["replica_id"]),
+        "replicas_after": list(survivor_now),
+        "deployment_status": str(deployment.status),
+        "replica_states": {str(k): v for k, v in deployment.replica_states.items()},
+    }
 
 
 @e2e
@@ -185,6 +252,8 @@ def test_requests_spread_over_both_replicas(ray_run):
     served = [i["served"] for i in infos.values()]
     assert min(served) >= 1 and sum(served) == len(ray_run["http_requests"]), infos
     assert len({i["pid"] for i in infos.values()}) == 2, infos
+    # One replica per Ray node: the head's and the worker's.
+    assert {i["node_id"] for i in infos.values()} == set(ray_run["nodes"].values()), infos
     # Each replica's engine computes on a core of its own (where this process may use two).
     binds = {i["omp_bind"] for i in infos.values()}
     assert {int(b) for b in binds} <= os.sched_getaffinity(0), infos
@@ -214,6 +283,25 @@ def test_ray_data_batch_through_the_replicas(ray_run):
     assert sum(i["served"] for i in after.values()) - sum(
         i["served"] for i in before.values()
     ) == len(requests)
+
+
+@e2e
+def test_a_dead_node_fails_its_requests_and_the_other_replica_serves_on(ray_run):
+    survivor, before = ray_run["survivor_after"], ray_run["survivor_before"]
+    assert survivor is not None and ray_run["replicas_after"] == [before["replica_id"]], ray_run
+    # The survivor's requests finished; the dead replica's ended in an HTTP error (none hung).
+    in_flight = ray_run["in_flight"]
+    finished = [r for r in in_flight if "ok" in r]
+    failed = [r for r in in_flight if "http_error" in r]
+    assert len(finished) + len(failed) == IN_FLIGHT, in_flight
+    assert all(r["ok"] == LONG for r in finished), in_flight
+    assert failed and all(r["http_error"] >= 500 for r in failed), in_flight
+    # The endpoint serves on, through the head node's replica.
+    assert all(r.get("ok") for r in ray_run["after_kill"]), ray_run["after_kill"]
+    assert survivor["served"] - before["served"] == len(finished) + len(ray_run["after_kill"])
+    # Serve reports the deployment short of a replica: one running, one it cannot place.
+    assert ray_run["replica_states"].get("RUNNING") == 1, ray_run["replica_states"]
+    assert ray_run["deployment_status"] != "HEALTHY" or sum(ray_run["replica_states"].values()) == 1
 
 
 @e2e
@@ -250,6 +338,20 @@ def test_deployment_config_cpu_and_gpu(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="num_streams"):
         llm_config(SpecStreamServeConfig(tmp_path), cpu=True)
+
+
+def test_replicas_of_nodes_sharing_a_host_claim_different_cores(tmp_path):
+    from vllm_specstream.ray.serve import claim_cores
+
+    # Two Ray nodes on one host each number their replica 0.
+    first, lock_first = claim_cores(0, [0, 1], 1, tmp_path)
+    second, lock_second = claim_cores(0, [0, 1], 1, tmp_path)
+    assert (first, second) == ([0], [1])
+    third, lock_third = claim_cores(0, [0, 1], 1, tmp_path)
+    assert third == [0] and lock_third is None  # every core held: its own block, shared
+    lock_first.close()  # that replica's process ended
+    assert claim_cores(1, [0, 1], 1, tmp_path)[0] == [0]
+    lock_second.close()
 
 
 def test_replica_cores():

@@ -78,6 +78,15 @@ class SpecStreamServeConfig:
     """GPU ranks per replica (vLLM's Ray executor runs them in the replica's placement group)."""
     ingress_replicas: int = 1
     """OpenAI ingress replicas in front of the engines (they only route: no CPUs reserved)."""
+    ingress_actor_options: dict[str, Any] = field(default_factory=dict)
+    """Further Ray actor options of the ingress, e.g. ``{"resources":
+    {"node:__internal_head__": 0.001}}`` keeps it on the head node of a cluster, so that it
+    outlives the worker nodes."""
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    """Further Ray resources each replica's bundle reserves on CPU machines (Serve refuses
+    ``max_replicas_per_node`` beside placement groups): ``{"specstream": 1}``, with each
+    node started with ``ray start --resources '{"specstream": 1}'``, places one replica per
+    node."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables of the replicas and their engine processes."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -134,7 +143,9 @@ def llm_config(config: SpecStreamServeConfig, *, cpu: bool | None = None) -> LLM
         # vLLM's Ray executor refuses the CPU platform: Ray Serve LLM uses mp there.
         accelerator = {"accelerator_config": {"kind": "cpu"}}
         resources = {
-            "placement_group_config": {"bundles": [{"CPU": config.cpus_per_replica}]},
+            "placement_group_config": {
+                "bundles": [{"CPU": config.cpus_per_replica, **config.replica_resources}]
+            },
         }
         actor_options: dict[str, Any] = {"num_cpus": 0}  # the engine's bundle holds the CPU
     else:
@@ -171,7 +182,7 @@ def build_app(config: SpecStreamServeConfig, *, cpu: bool | None = None):
             "llm_configs": [llm_config(config, cpu=cpu)],
             "ingress_deployment_config": {
                 "num_replicas": config.ingress_replicas,
-                "ray_actor_options": {"num_cpus": 0},
+                "ray_actor_options": {"num_cpus": 0, **config.ingress_actor_options},
             },
         }
     )
@@ -189,6 +200,30 @@ def replica_cores(local_rank: int, cores: list[int], per_replica: int) -> list[i
     return [cores[(start + i) % len(cores)] for i in range(min(per_replica, len(cores)))]
 
 
+def claim_cores(local_rank: int, cores: list[int], per_replica: int, lock_dir: Path):
+    """A block of cores no other replica on this host holds, and the open lock file that
+    holds it for this process's lifetime (released when the process ends).
+
+    Ray numbers replicas per Ray node, and several nodes may share a host (a cluster on one
+    machine, containers): their replicas would all start at the same block. Blocks are
+    claimed with ``flock`` on files in ``lock_dir``, starting at the replica's own
+    (:func:`replica_cores`); where every block is held, the replica's own is shared."""
+    import fcntl
+
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    blocks = max(1, len(cores) // max(1, per_replica))
+    for i in range(blocks):
+        chosen = replica_cores((local_rank + i) % blocks, cores, per_replica)
+        lock = open(lock_dir / f"cores-{'-'.join(map(str, chosen))}.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        return chosen, lock
+    return replica_cores(local_rank, cores, per_replica), None
+
+
 class SpecStreamLLMServer(LLMServer):
     """Ray Serve LLM's server with OpenMP cores of its own per replica on CPUs, and a
     self-report."""
@@ -202,14 +237,14 @@ class SpecStreamLLMServer(LLMServer):
         self._omp_bind = self._bind_threads(llm_config, context.rank.local_rank)
         await super().__init__(llm_config, **kwargs)
 
-    @staticmethod
-    def _bind_threads(llm_config: LLMConfig, local_rank: int) -> str | None:
+    def _bind_threads(self, llm_config: LLMConfig, local_rank: int) -> str | None:
         """Give this replica's engine its own cores (CPU, one rank per engine): as many as
         the replica reserves Ray CPUs (at least one).
 
         vLLM's ``auto`` binding reserves a core for the front-end and binds the worker to
         the others, the same ones in every engine of a machine: replicas would compete
-        for them. The engine processes inherit this process's environment.
+        for them. The engine processes inherit this process's environment; replicas of
+        other Ray nodes on the same host hold other cores (:func:`claim_cores`).
         """
         from vllm.platforms import current_platform
 
@@ -217,9 +252,14 @@ class SpecStreamLLMServer(LLMServer):
         ranks = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1)
         if not current_platform.is_cpu() or ranks != 1 or ENV_OMP_BIND in os.environ:
             return os.environ.get(ENV_OMP_BIND)
+        import tempfile
+
         bundles = (llm_config.placement_group_config or {}).get("bundles") or [{}]
         per_replica = max(1, int(bundles[0].get("CPU", 1)))
-        cores = replica_cores(local_rank, sorted(os.sched_getaffinity(0)), per_replica)
+        lock_dir = Path(tempfile.gettempdir()) / "vllm-specstream-replica-cores"
+        cores, self._cores_lock = claim_cores(
+            local_rank, sorted(os.sched_getaffinity(0)), per_replica, lock_dir
+        )
         os.environ[ENV_OMP_BIND] = ",".join(map(str, cores))
         logger.info("vllm-specstream: replica %d computes on cores %s", local_rank, cores)
         return os.environ[ENV_OMP_BIND]
@@ -233,8 +273,8 @@ class SpecStreamLLMServer(LLMServer):
         return await super().chat(request, raw_request_info)
 
     async def replica_info(self) -> dict[str, Any]:
-        """This replica: id, pid, whether the plugin loaded here, OpenMP binding, requests
-        served, the running engine's speculative config."""
+        """This replica: id, pid, Ray node, whether the plugin loaded here, OpenMP binding,
+        requests served, the running engine's speculative config."""
         spec = None
         client = getattr(self.engine, "_engine_client", None)
         vllm_config = getattr(client, "vllm_config", None)
@@ -245,11 +285,14 @@ class SpecStreamLLMServer(LLMServer):
                 "model": sc.model,
                 "num_speculative_tokens": sc.num_speculative_tokens,
             }
+        import ray
+
         from vllm_specstream.patches import registration as plugin
 
         return {
             "replica_id": self._replica_id,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "plugin_loaded": plugin._registered,
             "omp_bind": self._omp_bind,
             "served": self._served,
@@ -262,6 +305,7 @@ __all__ = [
     "SpecStreamServeConfig",
     "build_app",
     "checkpoint_num_streams",
+    "claim_cores",
     "llm_config",
     "replica_cores",
     "server_deployment_name",
