@@ -16,10 +16,9 @@ DEMO_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "sql-smollm
 
 
 @pytest.fixture(scope="module")
-def demo_runs(base_model_dir, tmp_path_factory):
-    """The committed demo adapter merged onto the embedded model (fp32): plain, speculative,
-    speculative with the stream-confidence rule, and vLLM's ngram method (the streams idle),
-    on 16 SQL test prompts in one batch."""
+def demo(base_model_dir, tmp_path_factory):
+    """The committed demo adapter merged onto the embedded model (fp32) and 16 SQL test
+    prompts."""
     import torch
     from transformers import AutoTokenizer
 
@@ -34,6 +33,14 @@ def demo_runs(base_model_dir, tmp_path_factory):
         {"prompt": prompt_text(tok, to_example("sql", r).messages), "max_tokens": 64}
         for r in build_task("sql", "test", n=16)
     ]
+    return ckpt, requests
+
+
+@pytest.fixture(scope="module")
+def demo_runs(demo):
+    """The demo checkpoint plain, speculative, speculative with the stream-confidence rule,
+    and with vLLM's ngram method (the streams idle), the 16 prompts in one batch."""
+    ckpt, requests = demo
     plain = run_engine(ckpt, 0, {}, requests)
     spec = run_engine(ckpt, 4, {}, requests)
     confident = run_engine(ckpt, 4, {}, requests, fields={"draft_min_prob": 0.5})
@@ -181,6 +188,36 @@ def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, monkeypatch):
     spec_tp3 = run_engine(tiny_merged_tp3, 3, tp3, requests)
     assert spec_tp3["tokens"] == single["tokens"]
     assert spec_tp3["metrics"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_draft_trees_at_tensor_parallel_2_equal_single_rank(tiny_merged, monkeypatch):
+    """Draft trees verified by 2 ranks (each its head shard of the tree rows' attention):
+    greedy output equals one rank's plain decoding. (Accepted nodes off the chain, whose
+    keys/values each rank moves: the E2E adapter at TP 3, test_tree_verification.py.)"""
+    requests = make_requests(8, seed=5)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    tp2 = {"tensor_parallel_size": 2, "kv_cache_memory_bytes": 64 << 20}  # per rank
+    single = run_engine(tiny_merged, 0, {}, requests)
+    trees = run_engine(
+        tiny_merged, 6, tp2, requests, env=INSPECT_ENV, fields=TREE_FIELDS, trees=True
+    )
+    assert trees["tokens"] == single["tokens"]
+    assert trees["trees"]["tree_rows"] > 20, trees["trees"]
+    assert trees["metrics"]["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_draft_trees_at_tensor_parallel_3_equal_plain_decoding(demo, demo_runs, monkeypatch):
+    """The embedded model's 9 heads (3 KV heads) over 3 ranks (a 2-core machine, unbound),
+    a trained checkpoint: each rank verifies the tree rows on its head shard and moves the
+    keys/values of accepted nodes off the chain in its own cache; outputs equal one rank's
+    plain decoding."""
+    ckpt, requests = demo
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    tp3 = {"tensor_parallel_size": 3, "kv_cache_memory_bytes": 64 << 20}  # per rank
+    trees = run_engine(ckpt, 8, tp3, requests, env=INSPECT_ENV, fields=TREE_FIELDS, trees=True)
+    assert trees["tokens"] == demo_runs[0]["tokens"]
+    stats = trees["trees"]
+    assert stats["tree_rows"] > 20 and stats["off_chain_rows"] > 0, stats
 
 
 def test_pipeline_parallel_2_serves_the_checkpoint_plainly(tiny_merged, monkeypatch):

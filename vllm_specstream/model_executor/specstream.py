@@ -84,7 +84,6 @@ from vllm_specstream.patches.cpu_env import single_thread_note
 from vllm_specstream.speculation.options import (
     PLACEMENTS,
     TREE_PRUNE_NO_ADAPTER,
-    TREES_TP_ERROR,
     draft_tree_of,
     read_options,
 )
@@ -139,8 +138,6 @@ class SpecStreamMixin:
         self.tree: TreeTemplate | None = None
         if self.options.trees:
             self.tree = draft_tree_of(self.options, self.spec_config.num_streams)
-            if tp_size > 1:
-                raise ConfigError(TREES_TP_ERROR.format(tp=tp_size))
             WORKER_TREES.bind_model(self)
             logger.info(
                 "specstream verifies draft trees: %d nodes (top-k per stream %s, field tree_top_k)",

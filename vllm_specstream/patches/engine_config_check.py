@@ -133,7 +133,8 @@ def engine_args_serve_specstream(engine_args) -> bool:
     method, model = spec.get("method"), spec.get("model")
     if ALIAS in (method, model):
         return True
-    overrides = engine_args.hf_overrides if isinstance(engine_args.hf_overrides, dict) else {}
+    overrides = getattr(engine_args, "hf_overrides", None)
+    overrides = overrides if isinstance(overrides, dict) else {}
     architectures = overrides.get("architectures") or _local_config(engine_args).get(
         "architectures"
     )

@@ -273,10 +273,6 @@ TREE_PRUNE_NO_ADAPTER = (
     "specstream.prune.enabled is false); add one with `specstream train --objective prune "
     "--init-from ADAPTER` and export it again, or leave tree_prune out"
 )
-TREES_TP_ERROR = (
-    "field tree_top_k (draft trees) needs tensor_parallel_size 1, got {tp}; leave it out to "
-    "draft chains"
-)
 #: A field of copied drafts (``suffix_drafts``, ``prompt_lookup``) asked for beside trees.
 CHAINS_ONLY = (
     "field {field} drafts chains beside the streams, not trees: leave out tree_top_k or {field}"

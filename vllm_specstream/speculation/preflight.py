@@ -22,7 +22,6 @@ from vllm_specstream.checkpoint.merged import (
 from vllm_specstream.machine import cpu_class, native_bf16
 from vllm_specstream.speculation.options import (
     TREE_PRUNE_NO_ADAPTER,
-    TREES_TP_ERROR,
     SpecStreamOptions,
     check_proposer,
     draft_tree_of,
@@ -147,8 +146,6 @@ def check_setup(
     ):
         suffix_cache_class()  # raises, naming the field, where arctic-inference is missing
     if speculating and num_speculative_tokens and options.trees:
-        if tensor_parallel_size > 1:
-            raise ConfigError(TREES_TP_ERROR.format(tp=tensor_parallel_size))
         draft_tree_of(options, config.num_streams)  # raises on a size the tree cannot fill
         threshold = options.tree_prune
         if threshold and not config.prune.enabled:
