@@ -199,6 +199,27 @@ def test_tree_widths_chosen_per_step_are_lossless(e2e):
     assert stats["nodes_pruned"] > 0 and stats["off_chain_rows"] > 0, stats
 
 
+def test_trees_and_stream_lora_at_tensor_parallel_3_equal_plain_decoding(e2e, monkeypatch):
+    # The embedded model's 9 heads (3 KV heads) over 3 ranks (on a 2-core machine, unbound):
+    # each rank runs its shard of the stream LoRA (rows of B where the output is sharded, the
+    # A x of sharded inputs summed over ranks), verifies the tree rows on its heads and
+    # moves the keys/values of accepted nodes off the chain in its own cache.
+    ckpt, _, requests, plain, _ = e2e
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    tp3 = {"block_size": 32, "tensor_parallel_size": 3, "kv_cache_memory_bytes": 64 << 20}
+    tree = run_engine(
+        ckpt, NODES, tp3, requests, env=INSPECT_ENV, fields=TREES | SAME_DRAFTS, trees=True
+    )
+    assert tree["tokens"] == plain["tokens"]
+    stats = tree["trees"]
+    assert stats["tree_rows"] > 20 and stats["off_chain_rows"] > 0, stats
+    metrics = tree["metrics"]
+    tokens_per_step = 1 + (
+        metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
+    )
+    assert tokens_per_step > 2.5, metrics  # the stream LoRA's drafts, not noise
+
+
 @pytest.fixture(scope="module")
 def compiled(e2e):
     """The same requests in vLLM's default compiled mode: plain, and trees at every step.

@@ -89,7 +89,6 @@ from vllm_specstream.speculation.options import (
 )
 from vllm_specstream.speculation.preflight import (
     ADAPTER_STREAMS_NEED_LORA,
-    STREAM_LORA_TP_ERROR,
     STREAM_LORA_WITH_LORA,
     check_platform,
 )
@@ -133,7 +132,6 @@ class SpecStreamMixin:
                 )
                 if note:
                     logger.warning("specstream: %s", note)
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: The draft tree's template (None: chain drafts).
         self.tree: TreeTemplate | None = None
         if self.options.trees:
@@ -149,12 +147,13 @@ class SpecStreamMixin:
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds the checkpoint's "
                 f"num_streams={self.spec_config.num_streams} (config.json: specstream.num_streams)"
             )
-        if self.spec_config.stream_lora_rank and self.num_speculative_tokens:
-            # Also checked in the front-end (preflight).
-            if vllm_config.lora_config:
-                raise ConfigError(STREAM_LORA_WITH_LORA)
-            if tp_size > 1:
-                raise ConfigError(STREAM_LORA_TP_ERROR.format(tp=tp_size))
+        # Also checked in the front-end (preflight).
+        if (
+            self.spec_config.stream_lora_rank
+            and self.num_speculative_tokens
+            and vllm_config.lora_config
+        ):
+            raise ConfigError(STREAM_LORA_WITH_LORA)
         if not self.own_streams and self.num_speculative_tokens and not vllm_config.lora_config:
             raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where="config.json"))
         n = hf_config.num_hidden_layers

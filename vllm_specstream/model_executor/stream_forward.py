@@ -180,7 +180,7 @@ class StreamRunner:
         #: A streams-only checkpoint's delta on the stream rows (None: none).
         self.stream_lora = StreamLoRAWeights.of(params, config)
         if self.stream_lora is not None:  # never with LoRA: the model refuses that at init
-            self.weights = self.stream_lora.wrap(self.weights)
+            self.weights = self.stream_lora.for_ranks(self.layers).wrap(self.weights)
         #: One MSA layer of a pass: compiled where vLLM compiles the decoder (one graph,
         #: shared by every MSA layer, fuses the ~30 small ops between the matmuls), except
         #: for per-request (LoRA) or per-layer (unmerged stream LoRA) deltas, which stay eager.

@@ -59,11 +59,6 @@ STREAM_LORA_WITH_LORA = (
     "a streams-only checkpoint (config.json: specstream.stream_lora_rank > 0) cannot be "
     "served with LoRA adapters (--enable-lora): serve it without --enable-lora"
 )
-#: The stream-row LoRA adds its delta to the full (unsharded) projection outputs.
-STREAM_LORA_TP_ERROR = (
-    "a streams-only checkpoint (config.json: specstream.stream_lora_rank > 0) runs with "
-    "tensor_parallel_size 1 only, got {tp}: serve it with -tp 1"
-)
 
 #: Under pipeline parallelism the checkpoint serves plainly (the streams' input crosses the
 #: ranks: model_executor/pipeline.py), but drafting there has not shown token identity with
@@ -131,13 +126,8 @@ def check_setup(
         if speculating and not lora_enabled:
             raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where=config_file))
         return  # no stream tensors of its own to check
-    if speculating and config.stream_lora_rank:
-        if lora_enabled:
-            raise ConfigError(f"{config_file}: {STREAM_LORA_WITH_LORA}")
-        if tensor_parallel_size > 1:
-            raise ConfigError(
-                f"{config_file}: {STREAM_LORA_TP_ERROR.format(tp=tensor_parallel_size)}"
-            )
+    if speculating and config.stream_lora_rank and lora_enabled:
+        raise ConfigError(f"{config_file}: {STREAM_LORA_WITH_LORA}")
     if (
         speculating
         and num_speculative_tokens
