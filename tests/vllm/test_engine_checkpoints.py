@@ -206,20 +206,6 @@ def test_draft_trees_at_tensor_parallel_2_equal_single_rank(tiny_merged, monkeyp
     assert trees["metrics"]["vllm:spec_decode_num_drafts"] > 0
 
 
-def test_draft_trees_at_tensor_parallel_3_equal_plain_decoding(demo, demo_runs, monkeypatch):
-    """The embedded model's 9 heads (3 KV heads) over 3 ranks (a 2-core machine, unbound),
-    a trained checkpoint: each rank verifies the tree rows on its head shard and moves the
-    keys/values of accepted nodes off the chain in its own cache; outputs equal one rank's
-    plain decoding."""
-    ckpt, requests = demo
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    tp3 = {"tensor_parallel_size": 3, "kv_cache_memory_bytes": 64 << 20}  # per rank
-    trees = run_engine(ckpt, 8, tp3, requests, env=INSPECT_ENV, fields=TREE_FIELDS, trees=True)
-    assert trees["tokens"] == demo_runs[0]["tokens"]
-    stats = trees["trees"]
-    assert stats["tree_rows"] > 20 and stats["off_chain_rows"] > 0, stats
-
-
 def test_pipeline_parallel_2_serves_the_checkpoint_plainly(tiny_merged, monkeypatch):
     """PP 2 (multiprocessing executor, compiled: vLLM 0.32's CPU runner makes the pipeline's
     receiving buffers only when it warms up a compiled model): the residual stream entering

@@ -231,19 +231,6 @@ def test_process_changes_only_for_a_specstream_engine(base_model_dir, tiny_merge
     assert "libgomp" in after["preload"]  # vLLM's own choice again
 
 
-@needs_cpu_wheel
-def test_register_applies_the_fixes_only_in_a_marked_process():
-    code = (
-        "from vllm_specstream.patches.registration import register\n"
-        "register()\n"
-        "from vllm_specstream.patches import applied_patches\n"
-        "print('cpu-kernel-registration-with-numba' in applied_patches())\n"
-    )
-    for marker, applied in (("", "False"), ("1", "True")):
-        out = run_python(code, {"SPECSTREAM_VLLM_PATCHES": marker})
-        assert out.stdout.strip().endswith(applied), (marker, out.stderr[-3000:])
-
-
 def test_vllm_picks_its_amx_kernels_by_torch_amx_tile_check(monkeypatch):
     # If this fails, vLLM chooses its AMX kernels another way: patches/onednn_amx_cap.py
     # must follow it (or go, if vLLM now asks oneDNN).

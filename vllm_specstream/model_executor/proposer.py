@@ -21,6 +21,7 @@ import numpy as np
 
 from vllm_specstream.checkpoint.config import ConfigError
 from vllm_specstream.logger import init_logger
+from vllm_specstream.model_executor.heap import HeapTrim
 from vllm_specstream.model_executor.prompt_lookup import PromptLookup
 from vllm_specstream.model_executor.stash import anchor_token_problem, stash_problem
 from vllm_specstream.model_executor.trees.step import WORKER_TREES, tree_problem
@@ -244,6 +245,8 @@ class SpecStreamProposer:
         #: Requests' drafts taken from the suffix trees, and from prompt lookup.
         self.suffix_drafted = 0
         self.lookup_drafted = 0
+        #: Hands the heap that speculative steps fragment back to the OS now and then.
+        self.heap = HeapTrim()
 
     def bind_runner(self, runner) -> None:
         self._runner = weakref.ref(runner)
@@ -306,6 +309,7 @@ class SpecStreamProposer:
     def propose(
         self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
     ):
+        self.heap.step()
         stash = self.target.take_stash()
         self._tree_rows = set()
         req_ids = self._batch_req_ids(sampled_token_ids, token_ids_cpu)
