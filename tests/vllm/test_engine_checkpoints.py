@@ -206,6 +206,22 @@ def test_draft_trees_at_tensor_parallel_2_equal_single_rank(tiny_merged, monkeyp
     assert trees["metrics"]["vllm:spec_decode_num_drafts"] > 0
 
 
+def test_prompt_lookup_and_streams_at_tensor_parallel_3_equal_plain_decoding(
+    demo, demo_runs, monkeypatch
+):
+    """The embedded model's 9 heads over 3 ranks (a 2-core machine, unbound), a trained
+    checkpoint drafting chains by default: stream drafts and prompt-lookup drafts (SQL
+    copies names from its schema) both verified; outputs equal one rank's plain decoding."""
+    ckpt, requests = demo
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    tp3 = {"tensor_parallel_size": 3, "kv_cache_memory_bytes": 64 << 20}  # per rank
+    spec = run_engine(ckpt, 4, tp3, requests)
+    assert spec["tokens"] == demo_runs[0]["tokens"]
+    assert spec["lookup_drafted"], "no step drafted by prompt lookup"
+    metrics = spec["metrics"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > metrics["vllm:spec_decode_num_drafts"]
+
+
 def test_pipeline_parallel_2_serves_the_checkpoint_plainly(tiny_merged, monkeypatch):
     """PP 2 (multiprocessing executor, compiled: vLLM 0.32's CPU runner makes the pipeline's
     receiving buffers only when it warms up a compiled model): the residual stream entering
