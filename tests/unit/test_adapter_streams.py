@@ -101,8 +101,8 @@ def test_a_streams_only_adapter_brings_its_stream_lora(tmp_path):
     assert (
         read_adapter_streams(write_adapter(tmp_path / "plain"), "p", deployment).stream_lora is None
     )
-    with pytest.raises(ConfigError, match=r"'so'.*streams-only adapter.*--tensor-parallel-size 1"):
-        read_adapter_streams(path, "so", dataclasses.replace(deployment, tp_size=2))
+    # Under tensor parallelism it loads the same (each rank splits it when it first drafts).
+    assert read_adapter_streams(path, "so", dataclasses.replace(deployment, tp_size=2)).stream_lora
 
 
 def _manager(slot_ids: list, adapters: dict):

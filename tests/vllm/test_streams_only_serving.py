@@ -163,6 +163,38 @@ def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
     assert not spec["per_request"][2] or spec["per_request"][2]["num_spec_steps"] == 0
 
 
+def test_a_streams_only_adapter_drafts_as_trained_at_tensor_parallel_2(
+    tiny_streams_only, base_outputs
+):
+    """The same adapter on 2 ranks: each runs its shard of the adapter's stream LoRA (rows of
+    B for sharded outputs; A x of sharded inputs summed over ranks), so its drafts are the
+    training wrapper's as on one rank."""
+    from vllm_specstream.training.checkpoint import load_merged
+
+    base, merged = tiny_streams_only
+    adapter = merged.with_name("adapter")
+    engine = {
+        **_deployment(base, [(adapter, None)]),
+        "placement": "window",
+        "fields": SAME_DRAFTS,
+        "tensor_parallel_size": 2,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
+    served = run_child(
+        "lora_stash",
+        ckpt=str(base),
+        k=3,
+        engine=engine,
+        requests=[{**REQUESTS[0], "lora": str(adapter)}],
+        env={**INSPECT, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )[0]
+    assert served[0]["tokens"] == base_outputs[0]
+    rows = list(_stash_rows_and_training_drafts(load_merged(merged), served[0]))
+    assert rows, served[0]["stash"]
+    for row, want, _ in rows:
+        assert row == want
+
+
 def test_medusa_heads_learn_the_replies_written_with_or_without_vllm(base_model_dir, tmp_path):
     """`specstream train --objective medusa --distill FILE` writes the served model's greedy
     replies where FILE lacks them, then trains the heads on them; on a machine without vLLM

@@ -100,12 +100,6 @@ def read_adapter_streams(
             "(config.json: specstream.num_msa_layers); serve adapters trained with the same "
             "num_msa_layers together"
         )
-    if config.stream_lora_rank > 0 and deployment.tp_size > 1:
-        raise ConfigError(
-            f"{where}: a streams-only adapter ({CONFIG_FILE}: stream_lora_rank="
-            f"{config.stream_lora_rank}) runs its stream LoRA on one rank; serve it with "
-            f"--tensor-parallel-size 1 (this deployment has {deployment.tp_size})"
-        )
     if config.num_streams < deployment.num_speculative_tokens:
         raise ConfigError(
             f"{where}: {CONFIG_FILE} has num_streams={config.num_streams}, fewer than the "

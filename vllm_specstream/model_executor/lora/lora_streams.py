@@ -155,6 +155,8 @@ class StreamLoRA:
         self.row_slots: Tensor | None = None
         #: Streams-only adapters of the current pass: their stream LoRA and stream rows.
         self.stream_loras: list[tuple[StreamLoRAWeights, Tensor]] = []
+        #: The MSA layers (:meth:`weights`).
+        self.layers: list[nn.Module] = []
 
     def request_streams(
         self, batch: ForwardBatch, own: AdapterStreams | None
@@ -196,7 +198,7 @@ class StreamLoRA:
             if own.stream_lora is not None:
                 first = torch.tensor(requests)[:, None] * rows_per_request
                 rows = (first + torch.arange(rows_per_request)).flatten()
-                self.stream_loras.append((own.stream_lora, rows))
+                self.stream_loras.append((own.stream_lora.for_ranks(self.layers), rows))
 
     def add_stream_lora(self, y: Tensor, index: int, stage: str, s: Tensor) -> Tensor:
         """``y`` (stream rows' output of ``stage`` in MSA layer ``index``, input ``s``) plus
@@ -208,6 +210,7 @@ class StreamLoRA:
     def weights(self, layers: list[nn.Module], packed: StreamWeights | None) -> StreamWeights:
         """The second pass's matmuls: each wrapped projection's base (``packed``'s copy if
         given, else the base layer) plus the stream rows' adapter deltas."""
+        self.layers = layers  # streams-only adapters' stream LoRA splits over their ranks
         out = []
         for i, layer in enumerate(layers):
             modules = layer_linears(layer)
@@ -232,7 +235,8 @@ class StreamLoRA:
             def run_sharded(x: Tensor) -> Tensor:
                 x = _local_input(module, x)
                 y = _local_product(module, x)
-                return _reduce(module, y + stream_delta(module, x, self.row_slots, y.dtype))
+                y = _reduce(module, y + stream_delta(module, x, self.row_slots, y.dtype))
+                return self.add_stream_lora(y, index, stage, x)  # its A x summed over ranks
 
             return run_sharded
 

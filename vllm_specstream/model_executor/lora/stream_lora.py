@@ -104,14 +104,18 @@ class StreamLoRAWeights:
         """Split the delta as vLLM shards the MSA ``layers``' projections over
         tensor-parallel ranks: rows of ``B`` where the output is sharded, columns of ``A``
         where the input is (there ``A x`` is summed over ranks: :meth:`delta`)."""
-        if all(getattr(m, "tp_size", 1) == 1 for layer in layers for m in layer_linears(layer)):
+        if self._ranked is not None or all(
+            getattr(getattr(m, "base_layer", m), "tp_size", 1) == 1
+            for layer in layers
+            for m in layer_linears(layer)
+        ):
             return self
         self._ranked = []
         for i, layer in enumerate(layers):
             per_stage = {}
             for stage, module in zip(STREAM_LORA_STAGES, layer_linears(layer), strict=True):
                 a, b = self.layers[i][stage]
-                rows, cols = rank_shard(module)
+                rows, cols = rank_shard(getattr(module, "base_layer", module))
                 per_stage[stage] = (
                     a if cols is None else a[:, cols].contiguous(),
                     b if rows is None else b[rows].contiguous(),
