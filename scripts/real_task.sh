@@ -162,27 +162,18 @@ if has two-stage; then
     fi
 fi
 
-# Medusa heads for the committed adapter: the model it serves, frozen, and its own replies
-# (written with vLLM, or Transformers where vLLM is absent), as the two-stage run trains them
-# (`specstream bench RUNS/TASK-committed-merged --medusa RUNS/TASK-committed-medusa`).
-if has committed-medusa; then
+# Medusa heads and an EAGLE-3 drafter for the committed adapter: the model it serves, frozen,
+# and its own replies (written with vLLM, or Transformers where vLLM is absent), as the
+# two-stage run trains them (`specstream bench RUNS/TASK-committed-merged --medusa
+# RUNS/TASK-committed-medusa --eagle3 RUNS/TASK-committed-eagle3`).
+for DRAFTER in medusa eagle3; do
+    has "committed-$DRAFTER" || continue
     [ -f "$R-committed-merged/config.json" ] ||
         $BIN/specstream export "$COMMITTED" "$R-committed-merged" --dtype float32
-    "${RUN[@]}" $BIN/specstream train --out "$R-committed-medusa" --objective medusa \
-        --base "$R-committed-merged" --distill "$R-committed-medusa/self_distill.jsonl" \
+    "${RUN[@]}" $BIN/specstream train --out "$R-committed-$DRAFTER" --objective "$DRAFTER" \
+        --base "$R-committed-merged" --distill "$R-committed-$DRAFTER/self_distill.jsonl" \
         "${COMMON[@]}" "${TWO_STAGE[@]}"
-fi
-
-# An EAGLE-3 drafter for the committed adapter: the model it serves, frozen, its own replies
-# and the same budget as the committed Medusa heads (served with vLLM's eagle3 method:
-# `specstream bench RUNS/TASK-committed-merged --eagle3 RUNS/TASK-committed-eagle3`).
-if has committed-eagle3; then
-    [ -f "$R-committed-merged/config.json" ] ||
-        $BIN/specstream export "$COMMITTED" "$R-committed-merged" --dtype float32
-    "${RUN[@]}" $BIN/specstream train --out "$R-committed-eagle3" --objective eagle3 \
-        --base "$R-committed-merged" --distill "$R-committed-eagle3/self_distill.jsonl" \
-        "${COMMON[@]}" "${TWO_STAGE[@]}"
-fi
+done
 
 if has self-distill; then
     "${RUN[@]}" $BIN/specstream train --out "$R-specstream-sd" --objective specstream \

@@ -125,6 +125,18 @@ def test_cli_distils_with_vllm_once_and_trains(tiny_streams_only, tmp_path):
     assert "--distill-max-tokens 2048 leaves no room" in refused.stderr.strip().splitlines()[-1]
 
 
+def assert_drafts_as_trained(served: dict, merged, tokens: list) -> None:
+    """A ``lora_stash`` result: the base model's tokens, and at every anchor the drafts of
+    the training wrapper on the adapter merged (``merged``)."""
+    from vllm_specstream.training.checkpoint import load_merged
+
+    assert served["tokens"] == tokens
+    rows = list(_stash_rows_and_training_drafts(load_merged(merged), served))
+    assert rows, served["stash"]
+    for row, want, _ in rows:
+        assert row == want
+
+
 def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
     tiny_streams_only, tiny_adapters, base_outputs
 ):
@@ -133,8 +145,6 @@ def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
     drafts the training wrapper's (stream LoRA included) in the window placement; in a mixed
     batch (streams-only, task adapter, no adapter; accepted placement) the streams-only and
     the base requests still get the base model's tokens and the streams-only one drafts."""
-    from vllm_specstream.training.checkpoint import load_merged
-
     base, merged = tiny_streams_only
     adapter = merged.with_name("adapter")
     task = tiny_adapters[1][0][0]
@@ -148,11 +158,7 @@ def test_a_streams_only_adapter_under_multi_lora_drafts_as_trained(
         requests=alone,
         env=INSPECT,
     )[0]
-    assert served[0]["tokens"] == base_outputs[0]
-    rows = list(_stash_rows_and_training_drafts(load_merged(merged), served[0]))
-    assert rows, served[0]["stash"]
-    for row, want, _ in rows:
-        assert row == want
+    assert_drafts_as_trained(served[0], merged, base_outputs[0])
     loras = [str(adapter), str(task), None]
     mixed = [{**r, "lora": lora} for r, lora in zip(REQUESTS, loras)]
     spec, _ = run_child(
@@ -169,8 +175,6 @@ def test_a_streams_only_adapter_drafts_as_trained_at_tensor_parallel_2(
     """The same adapter on 2 ranks: each runs its shard of the adapter's stream LoRA (rows of
     B for sharded outputs; A x of sharded inputs summed over ranks), so its drafts are the
     training wrapper's as on one rank."""
-    from vllm_specstream.training.checkpoint import load_merged
-
     base, merged = tiny_streams_only
     adapter = merged.with_name("adapter")
     engine = {
@@ -188,11 +192,7 @@ def test_a_streams_only_adapter_drafts_as_trained_at_tensor_parallel_2(
         requests=[{**REQUESTS[0], "lora": str(adapter)}],
         env={**INSPECT, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )[0]
-    assert served[0]["tokens"] == base_outputs[0]
-    rows = list(_stash_rows_and_training_drafts(load_merged(merged), served[0]))
-    assert rows, served[0]["stash"]
-    for row, want, _ in rows:
-        assert row == want
+    assert_drafts_as_trained(served[0], merged, base_outputs[0])
 
 
 def test_medusa_heads_learn_the_replies_written_with_or_without_vllm(base_model_dir, tmp_path):

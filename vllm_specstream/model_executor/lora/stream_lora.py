@@ -99,16 +99,20 @@ class StreamLoRAWeights:
         #: Under tensor parallelism, per layer and projection: this rank's ``(A, B)`` and
         #: whether its ``A x`` is summed over ranks (:meth:`for_ranks`; None: one rank).
         self._ranked: list[dict[str, tuple[Tensor, Tensor, bool]]] | None = None
+        self._one_rank = False
 
     def for_ranks(self, layers: list[nn.Module]) -> StreamLoRAWeights:
         """Split the delta as vLLM shards the MSA ``layers``' projections over
         tensor-parallel ranks: rows of ``B`` where the output is sharded, columns of ``A``
         where the input is (there ``A x`` is summed over ranks: :meth:`delta`)."""
-        if self._ranked is not None or all(
+        if self._ranked is not None or self._one_rank:
+            return self
+        if all(
             getattr(getattr(m, "base_layer", m), "tp_size", 1) == 1
             for layer in layers
             for m in layer_linears(layer)
         ):
+            self._one_rank = True  # asked again at every pass of an adapter's requests
             return self
         self._ranked = []
         for i, layer in enumerate(layers):
