@@ -68,12 +68,7 @@ class HeapTrim:
 
 
 def resident_mib() -> float:
-    """This process's resident memory (VmRSS) in MiB, 0 where /proc is unreadable."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    """This process's resident memory in MiB (psutil, a dependency of vLLM)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20

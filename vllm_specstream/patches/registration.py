@@ -4,7 +4,7 @@ vLLM calls :func:`register` in every process it starts (front-end, engine core, 
 worker, registry-inspection subprocesses), for every engine, so it is idempotent and cheap:
 model classes are registered by ``"module:Class"`` string and imported only when a
 checkpoint asks for them, and it installs only the two front-end hooks that read an engine's
-arguments (``spec-alias``, ``engine-config-check``), which leave other engines' configs as
+arguments (``spec-model-alias``, ``engine-config-check``), which leave other engines' configs as
 they are.
 
 Everything else the plugin changes in a process (the fixes of vLLM in ``patches/``, the
