@@ -75,7 +75,7 @@ SPEC_PROMPTS = [
 
 def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, tmp_path):
     # Each stream row takes its own request's adapter through the MSA layers
-    # (model_executor/lora/lora_streams.py); the main rows stay vLLM's. Two adapters and base
+    # (model_executor/lora/vllm_lora_layers.py); the main rows stay vLLM's. Two adapters and base
     # requests in one batch: the streams must neither crash nor change an output.
     first = random_peft_adapter(tiny_merged, tmp_path / "a1")
     second = random_peft_adapter(tiny_merged, tmp_path / "a2", targets=("gate_proj", "up_proj"))
@@ -182,7 +182,7 @@ def test_adapter_streams_under_tensor_parallelism_equal_one_rank(
     tiny_merged_tp3, tmp_path, placement
 ):
     # TP 3: o_proj and down_proj are row-parallel, their LoRA deltas partial sums added before
-    # the all-reduce (lora_streams.py); stream rows must follow, or their drafts (not the
+    # the all-reduce (vllm_lora_layers.py); stream rows must follow, or their drafts (not the
     # outputs: verification keeps those right) would differ from one rank's.
     from conftest import make_tiny_adapter
 

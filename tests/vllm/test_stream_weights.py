@@ -163,7 +163,7 @@ def test_stream_rows_get_the_stream_lora_once_with_bf16_copies_or_vllms_modules(
     from types import SimpleNamespace
 
     from vllm_specstream.checkpoint.config import STREAM_LORA_STAGES, stream_lora_name
-    from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
+    from vllm_specstream.model_executor.lora.stream_row_lora import StreamLoRAWeights
     from vllm_specstream.model_executor.stream_weights import StreamWeights, layer_linears
 
     torch.manual_seed(0)

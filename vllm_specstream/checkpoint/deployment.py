@@ -13,7 +13,7 @@ base directory stays untouched::
 ``specstream deploy BASE ADAPTER...`` prints that command for a set of adapters. The
 deployment fixes ``num_msa_layers`` (the decoder hands every request the residual stream
 entering that layer), so adapters served together must share it; each request then drafts
-with its adapter's streams (:mod:`vllm_specstream.model_executor.lora.adapter_streams`) and a
+with its adapter's streams (:mod:`vllm_specstream.model_executor.lora.per_adapter_streams`) and a
 request without an adapter decodes without drafts. Reads JSON only (no torch, no vLLM).
 """
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora.lora_streams import (
+from vllm_specstream.model_executor.lora.vllm_lora_layers import (
     fused_lora_linear,
     is_lora_wrapped,
     join_output,

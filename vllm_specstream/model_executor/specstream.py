@@ -52,9 +52,9 @@ from vllm_specstream.model_executor.forward_batch import (
     no_forward_batch_reason,
 )
 from vllm_specstream.model_executor.fused_streams import FusedStreams
-from vllm_specstream.model_executor.lora.adapter_streams import Deployment
-from vllm_specstream.model_executor.lora.lora_streams import base_logits_processor
-from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
+from vllm_specstream.model_executor.lora.per_adapter_streams import Deployment
+from vllm_specstream.model_executor.lora.stream_row_lora import StreamLoRAWeights
+from vllm_specstream.model_executor.lora.vllm_lora_layers import base_logits_processor
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout, layer_kv_cache
 from vllm_specstream.model_executor.pipeline import reserve_aux_slots
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
@@ -113,7 +113,7 @@ class SpecStreamMixin:
         hf_config = vllm_config.model_config.hf_config
         self.spec_config = read_specstream_section(hf_config)
         #: False for a base model served for specstream LoRA adapters: its requests draft
-        #: with their adapter's streams only (:mod:`.lora.adapter_streams`).
+        #: with their adapter's streams only (:mod:`.lora.per_adapter_streams`).
         self.own_streams = not adapter_streams_only(hf_config)
         self.specstream = StreamParams(
             self.spec_config, hf_config.hidden_size, self.own_streams, hf_config

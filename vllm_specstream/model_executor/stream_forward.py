@@ -27,9 +27,9 @@ from torch import nn
 
 from vllm_specstream.checkpoint.config import SpecStreamConfig
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora.adapter_streams import AdapterStreams
-from vllm_specstream.model_executor.lora.lora_streams import StreamLoRA, first_lora_module
-from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
+from vllm_specstream.model_executor.lora.per_adapter_streams import AdapterStreams
+from vllm_specstream.model_executor.lora.stream_row_lora import StreamLoRAWeights
+from vllm_specstream.model_executor.lora.vllm_lora_layers import StreamLoRA, first_lora_module
 from vllm_specstream.model_executor.paged_kv import PagedKVLayout, layer_kv_cache
 from vllm_specstream.model_executor.stream_weights import StreamWeights, fused_rms_norm
 from vllm_specstream.streams.stream_layer import (

@@ -4,7 +4,7 @@ vLLM's ``WorkerLoRAManager._load_adapter`` reads ``adapter_config.json`` and the
 weights from ``lora_request.lora_path`` and returns a ``LoRAModel``, which its LRU cache then
 keeps, moves between slots and drops. The wrapper below lets it do that, then, when the
 served model is a specstream model, reads the directory's ``specstream.safetensors`` too
-(:func:`~vllm_specstream.model_executor.lora.adapter_streams.read_adapter_streams`) and sets it on
+(:func:`~vllm_specstream.model_executor.lora.per_adapter_streams.read_adapter_streams`) and sets it on
 the returned object, so the streams follow the adapter through vLLM's cache. An adapter
 whose streams do not fit the deployment fails to load as vLLM's own checks fail (an adapter
 rank above ``max_lora_rank``): with the adapter named in the message.
@@ -24,7 +24,10 @@ def _apply() -> None:
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     from vllm_specstream.logger import init_logger
-    from vllm_specstream.model_executor.lora.adapter_streams import ATTRIBUTE, read_adapter_streams
+    from vllm_specstream.model_executor.lora.per_adapter_streams import (
+        ATTRIBUTE,
+        read_adapter_streams,
+    )
 
     logger = init_logger(__name__)
     original = WorkerLoRAManager._load_adapter

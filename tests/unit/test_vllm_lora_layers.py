@@ -1,4 +1,4 @@
-"""Stream rows' adapter deltas under vLLM multi-LoRA (model_executor/lora/lora_streams.py)."""
+"""Stream rows' adapter deltas under vLLM multi-LoRA (model_executor/lora/vllm_lora_layers.py)."""
 
 from types import SimpleNamespace
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora.lora_streams import (
+from vllm_specstream.model_executor.lora.vllm_lora_layers import (
     StreamLoRA,
     fused_lora_linear,
     is_lora_wrapped,

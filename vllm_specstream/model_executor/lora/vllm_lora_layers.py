@@ -28,12 +28,12 @@ import torch
 from torch import nn
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.lora.adapter_streams import (
+from vllm_specstream.model_executor.lora.per_adapter_streams import (
     AdapterStreams,
     group_requests,
     request_streams,
 )
-from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
+from vllm_specstream.model_executor.lora.stream_row_lora import StreamLoRAWeights
 from vllm_specstream.model_executor.stream_weights import (
     LayerMatmuls,
     Matmul,
@@ -161,7 +161,7 @@ class StreamLoRA:
     def request_streams(
         self, batch: ForwardBatch, own: AdapterStreams | None
     ) -> list[AdapterStreams | None]:
-        """Each request's streams: its adapter's (:mod:`.adapter_streams`), ``own`` for
+        """Each request's streams: its adapter's (:mod:`.per_adapter_streams`), ``own`` for
         requests without an adapter."""
         slots = request_slots(self.lora_module, batch).tolist()
         if self.lora_manager is None:

@@ -13,7 +13,7 @@ drafts with the served checkpoint's own streams if it has them, else not at all.
 A streams-only adapter (``specstream train --objective streams-only``) is served the same
 way: its PEFT files are a LoRA that changes nothing (``training.checkpoint.null_lora``), so
 its requests' tokens are the base model's, and its stream LoRA (``stream_lora_*``) is added
-to its own stream rows only (:class:`~vllm_specstream.model_executor.lora.lora_streams.StreamLoRA`).
+to its own stream rows only (:class:`~vllm_specstream.model_executor.lora.vllm_lora_layers.StreamLoRA`).
 
 A deployment fixes ``num_msa_layers`` (the decoder returns the residual stream entering that
 layer for every request), so an adapter trained with another value is an error that names
@@ -36,7 +36,7 @@ from vllm_specstream.checkpoint.config import (
     check_stream_tensors,
 )
 from vllm_specstream.logger import init_logger
-from vllm_specstream.model_executor.lora.stream_lora import StreamLoRAWeights
+from vllm_specstream.model_executor.lora.stream_row_lora import StreamLoRAWeights
 
 logger = init_logger(__name__)
 

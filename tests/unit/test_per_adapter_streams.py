@@ -15,7 +15,7 @@ from vllm_specstream.checkpoint.deployment import (
     lora_rank_setting,
     plan_deployment,
 )
-from vllm_specstream.model_executor.lora.adapter_streams import (
+from vllm_specstream.model_executor.lora.per_adapter_streams import (
     ATTRIBUTE,
     Deployment,
     group_requests,

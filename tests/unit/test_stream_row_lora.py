@@ -3,7 +3,7 @@ of ``A`` put together give the one-rank delta."""
 
 import torch
 
-from vllm_specstream.model_executor.lora.stream_lora import merged_rows, qkv_rows
+from vllm_specstream.model_executor.lora.stream_row_lora import merged_rows, qkv_rows
 
 
 def test_qkv_rows_of_all_ranks_cover_the_merged_output_once_per_kv_replica():
