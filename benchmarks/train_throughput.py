@@ -39,8 +39,8 @@ def cpu_name() -> str:
 def train_args(args, fast: bool):
     from vllm_specstream.base_model import prepare_base
     from vllm_specstream.checkpoint.config import SpecStreamConfig
+    from vllm_specstream.training.args import TrainArgs
     from vllm_specstream.training.checkpoint import LoraSettings
-    from vllm_specstream.training.train import TrainArgs
 
     return TrainArgs(
         base=str(prepare_base(progress=False)),
@@ -68,8 +68,10 @@ def paired_run(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    from vllm_specstream.training.batches import batch_maker, load_examples
     from vllm_specstream.training.data import encode_example
-    from vllm_specstream.training.train import batch_maker, load_examples, make_job, train_step
+    from vllm_specstream.training.jobs import make_job
+    from vllm_specstream.training.train import train_step
 
     paths = {}
     for name, fast in (("padded", False), ("fast", True)):

@@ -267,8 +267,8 @@ def test_eagle3_objective_trains_saves_and_resumes(tiny_base, tmp_path):  # noqa
 def test_cached_target_states_give_the_same_loss():
     """The target's states computed once per example (the frozen-base cache of the training
     loop) give the loss computed from the target at every step."""
+    from vllm_specstream.training.batches import collate
     from vllm_specstream.training.fast_batches import pad_rows
-    from vllm_specstream.training.train import collate
 
     drafter = _drafter().eval()
     torch.manual_seed(2)

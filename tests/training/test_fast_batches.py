@@ -10,6 +10,7 @@ from test_train import args_for, tiny_base  # noqa: F401 (fixture)
 from tiny import tiny_llama
 
 from vllm_specstream.checkpoint.config import PruneConfig, SpecStreamConfig
+from vllm_specstream.training.batches import collate
 from vllm_specstream.training.fast_batches import (
     first_trainable_layer,
     pack_batch,
@@ -18,7 +19,7 @@ from vllm_specstream.training.fast_batches import (
 )
 from vllm_specstream.training.loss import select_anchors, specstream_loss
 from vllm_specstream.training.model import SpecStreamModel, attention_blocks
-from vllm_specstream.training.train import collate, train
+from vllm_specstream.training.train import train
 
 
 def lora_model(layers: list[int], prune: bool = False) -> SpecStreamModel:
@@ -243,7 +244,7 @@ def test_frozen_weights_cast_once_give_the_autocast_loss_and_gradients():
     """bf16 training stores the frozen linear weights in bf16 once instead of autocast
     casting them at every call: the same loss and gradients; a tied LM head gets its own
     copy, so the embedding stays fp32."""
-    from vllm_specstream.training.train import cast_frozen_linears
+    from vllm_specstream.training.device import cast_frozen_linears
 
     model = lora_model([3, 4, 5])
     lm = model.causal_lm

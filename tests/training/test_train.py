@@ -13,16 +13,11 @@ from safetensors.torch import load_file
 from tiny import tiny_llama
 
 from vllm_specstream.checkpoint.config import SpecStreamConfig
+from vllm_specstream.training.args import TrainArgs
+from vllm_specstream.training.batches import batch_indices, seen_examples
 from vllm_specstream.training.checkpoint import LoraSettings
-from vllm_specstream.training.train import (
-    TrainArgs,
-    batch_indices,
-    lr_factor,
-    resolve_device,
-    resolve_dtype,
-    seen_examples,
-    train,
-)
+from vllm_specstream.training.device import resolve_device, resolve_dtype
+from vllm_specstream.training.train import lr_factor, train
 
 pytestmark = pytest.mark.model
 
@@ -127,9 +122,9 @@ def test_a_run_starts_from_a_trained_adapter(tiny_base, tmp_path):
 def _killed(monkeypatch, loss_calls: int, args) -> None:
     """Train ``args``, killed at the ``loss_calls``-th loss computation (steps and
     evaluation batches alike)."""
-    import vllm_specstream.training.train as train_module
+    import vllm_specstream.training.jobs as jobs_module
 
-    real_loss, calls = train_module.specstream_loss, []
+    real_loss, calls = jobs_module.specstream_loss, []
 
     def dying_loss(*a, **kw):
         calls.append(1)
@@ -138,7 +133,7 @@ def _killed(monkeypatch, loss_calls: int, args) -> None:
         return real_loss(*a, **kw)
 
     with monkeypatch.context() as patched:
-        patched.setattr(train_module, "specstream_loss", dying_loss)
+        patched.setattr(jobs_module, "specstream_loss", dying_loss)
         with pytest.raises(KeyboardInterrupt):
             train(args, progress=False)
 
@@ -362,7 +357,7 @@ def test_zero_initialised_medusa_head_copies_the_next_token_head():
 def test_streams_only_trains_on_the_models_replies(tiny_base, tmp_path):
     """Objective streams-only with a self-distillation file: each prompt's completion is the
     file's reply; no LoRA on the main stream; the stream LoRA trains and is saved."""
-    from vllm_specstream.training.train import load_examples
+    from vllm_specstream.training.batches import load_examples
 
     args = args_for(tiny_base, tmp_path / "so", steps=2)
     args.objective = "streams-only"
@@ -395,7 +390,7 @@ def test_distill_option_feeds_medusa_the_streams_only_runs_replies(tiny_base, tm
     """``--distill RUN_DIR`` reads the run's self_distill.jsonl (Medusa heads on the frozen
     base learn the same replies as a streams-only adapter); a missing file names the flag."""
     from vllm_specstream.cli.train import _distill_file
-    from vllm_specstream.training.train import load_examples
+    from vllm_specstream.training.batches import load_examples
 
     run = tmp_path / "so-run"
     run.mkdir()
@@ -488,10 +483,10 @@ def test_prune_objective_adds_the_pruning_adapter_to_a_trained_one(tiny_base, tm
     from transformers import AutoTokenizer
 
     from vllm_specstream.checkpoint.config import PruneConfig
+    from vllm_specstream.training.batches import collate, load_examples
     from vllm_specstream.training.checkpoint import load_adapter
     from vllm_specstream.training.data import encode_example
     from vllm_specstream.training.loss import specstream_loss
-    from vllm_specstream.training.train import collate, load_examples
 
     trained = train(args_for(tiny_base, tmp_path / "ss", steps=2), progress=False)
     args = args_for(tiny_base, tmp_path / "prune", steps=10)

@@ -12,8 +12,9 @@ from test_lora_serving import INSPECT, assert_drafts_are_the_training_models
 from test_specstream_engine import ENGINES, make_requests
 
 from vllm_specstream.checkpoint.config import SpecStreamConfig
+from vllm_specstream.training.args import TrainArgs
 from vllm_specstream.training.checkpoint import LoraSettings, export_merged, load_merged
-from vllm_specstream.training.train import TrainArgs, train
+from vllm_specstream.training.train import train
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 

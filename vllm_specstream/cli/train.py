@@ -57,10 +57,11 @@ def _train_task(args: argparse.Namespace) -> str | None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from vllm_specstream.checkpoint.config import LossConfig, PruneConfig, SpecStreamConfig
+    from vllm_specstream.training.args import TrainArgs
     from vllm_specstream.training.checkpoint import LoraSettings
     from vllm_specstream.training.eagle3 import Eagle3Config
     from vllm_specstream.training.tasks import PUBLIC_TASKS
-    from vllm_specstream.training.train import TrainArgs, train
+    from vllm_specstream.training.train import train
 
     task = _train_task(args)
     if task is None and not args.data:
@@ -189,13 +190,13 @@ def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = No
     cached in ``--distill`` if given, else in the run's directory."""
     import tempfile
 
+    from vllm_specstream.training.batches import load_examples
     from vllm_specstream.training.replies import (
         DISTILL_FILE,
         DistillSettings,
         distill_replies,
         prompts_without_reply,
     )
-    from vllm_specstream.training.train import load_examples
 
     examples = [
         *load_examples(train_args, "train", train_args.num_train, distilled=False),
@@ -217,9 +218,9 @@ def _self_distill(train_args, args: argparse.Namespace, adapter: str | None = No
 
 def add_parser(sub) -> None:
     from vllm_specstream.checkpoint.config import LossConfig, SpecStreamConfig
+    from vllm_specstream.training.args import TrainArgs
     from vllm_specstream.training.eagle3 import Eagle3Config
     from vllm_specstream.training.tasks import ALL_TASKS
-    from vllm_specstream.training.train import TrainArgs
 
     defaults = DefaultsHelpFormatter
 
