@@ -29,9 +29,9 @@ def speculative_config(
     False drafts ``num_speculative_tokens`` at every batch size. ``options`` are further
     fields of vLLM's ``SpeculativeConfig``. The plugin's own fields (placement, draft
     trees, ...) go to ``LLM(..., additional_config={"specstream": {...}})``
-    (:mod:`vllm_specstream.speculation.options`).
+    (:mod:`vllm_specstream.speculation.settings`).
     """
-    from vllm_specstream.speculation.options import FIELDS, KEY
+    from vllm_specstream.speculation.settings import FIELDS, KEY
 
     if type(num_speculative_tokens) is not int or num_speculative_tokens < 1:
         raise ValueError(

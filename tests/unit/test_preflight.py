@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from vllm_specstream import PROPOSER
 from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
-from vllm_specstream.patches.engine_config_check import check_options
+from vllm_specstream.patches.engine_config_check import check_settings
 from vllm_specstream.speculation.preflight import check_platform, check_setup
 
 HIDDEN = 8
@@ -56,15 +56,15 @@ def check(
     pp=1,
     **fields,
 ):
-    """``check_setup`` of ``ckpt`` served with ``k`` drafts, with the engine's options as
+    """``check_setup`` of ``ckpt`` served with ``k`` drafts, with the engine's settings as
     the front-end reads them from ``additional_config["specstream"]`` = ``fields``."""
     config = json.loads((ckpt / "config.json").read_text())
-    options = None
+    settings = None
     if fields:
         vllm_config = engine_config(ckpt, num_speculative_tokens=k, **fields)
         vllm_config.speculative_config.method = method
         vllm_config.speculative_config.model = model
-        options = check_options(vllm_config, environ={})
+        settings = check_settings(vllm_config, environ={})
     check_setup(
         model=str(ckpt),
         hf_config=SimpleNamespace(**config),
@@ -75,7 +75,7 @@ def check(
         lora_enabled=lora,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
-        options=options,
+        settings=settings,
     )
 
 

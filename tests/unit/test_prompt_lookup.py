@@ -3,12 +3,12 @@ learnt per matched n-gram length, the field, and the proposer's choice per reque
 
 import numpy as np
 import pytest
-from test_options import engine
+from test_settings import engine
 from test_suffix_drafts import SAMPLED, FakeCache, _proposer
 
 from vllm_specstream.checkpoint.config import ConfigError
 from vllm_specstream.model_executor.prompt_lookup import PromptLookup
-from vllm_specstream.speculation.options import read_options
+from vllm_specstream.speculation.settings import resolve_settings
 
 
 def _context(*tokens: int, width: int = 32) -> np.ndarray:
@@ -59,13 +59,13 @@ def test_acceptance_is_learnt_per_ngram_length_and_a_dropped_length_is_tried_aga
 
 
 def test_the_field_is_on_by_default_for_chains_and_named_when_bad():
-    assert read_options(engine(), {}).prompt_lookup
-    assert not read_options(engine(prompt_lookup="off"), {}).prompt_lookup
-    assert not read_options(engine(tree_top_k=2), {}).prompt_lookup  # trees draft without it
+    assert resolve_settings(engine(), {}).prompt_lookup
+    assert not resolve_settings(engine(prompt_lookup="off"), {}).prompt_lookup
+    assert not resolve_settings(engine(tree_top_k=2), {}).prompt_lookup  # trees draft without it
     with pytest.raises(ConfigError, match="leave out tree_top_k or prompt_lookup"):
-        read_options(engine(tree_top_k=2, prompt_lookup="on"), {})
+        resolve_settings(engine(tree_top_k=2, prompt_lookup="on"), {})
     with pytest.raises(ConfigError, match=r"\['prompt_lookup'\]='sometimes'"):
-        read_options(engine(prompt_lookup="sometimes"), {})
+        resolve_settings(engine(prompt_lookup="sometimes"), {})
 
 
 def _repeating_tokens() -> np.ndarray:

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_options import _vllm_config
 from test_proposer import _Target as ForwardTarget
+from test_settings import _vllm_config
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
 from vllm_specstream.model_executor.proposer import SpecStreamProposer, drafts_at

@@ -9,7 +9,7 @@ from test_proposer import _Target as ProposerTarget
 
 from vllm_specstream.checkpoint.config import ConfigError, suffix_min_score_from
 from vllm_specstream.speculation.choices import CopyStep
-from vllm_specstream.speculation.options import read_options
+from vllm_specstream.speculation.settings import resolve_settings
 from vllm_specstream.speculation.suffix_drafts import (
     SuffixDraft,
     SuffixDrafts,
@@ -46,45 +46,45 @@ def _engine_config(checkpoint=None, k=4, **fields):
 
 
 def test_the_field_is_read_only_when_speculating_and_refused_beside_trees():
-    assert read_options(_engine_config(suffix_drafts=0.5), {}).suffix_min_score == 0.5
+    assert resolve_settings(_engine_config(suffix_drafts=0.5), {}).suffix_drafts == 0.5
     off = _engine_config(k=0, suffix_drafts=0.5)  # speculation off
-    assert read_options(off, {}).suffix_min_score is None
+    assert resolve_settings(off, {}).suffix_drafts is None
     with pytest.raises(ConfigError, match="leave out tree_top_k or suffix_drafts"):
-        read_options(_engine_config(suffix_drafts="on", tree_top_k=2), {})
+        resolve_settings(_engine_config(suffix_drafts="on", tree_top_k=2), {})
     with pytest.raises(ConfigError, match=r"\['suffix_drafts'\]='maybe'"):
-        read_options(_engine_config(suffix_drafts="maybe"), {})
+        resolve_settings(_engine_config(suffix_drafts="maybe"), {})
 
 
 @pytest.mark.parametrize("importable", [True, False])
 def test_checkpoint_default_is_followed_unless_the_user_says_otherwise(monkeypatch, importable):
-    import vllm_specstream.speculation.options as options
+    import vllm_specstream.speculation.settings as options
 
     monkeypatch.setattr(options, "suffix_decoding_importable", lambda: importable)
-    opts = read_options(_engine_config("on"), {})
+    opts = resolve_settings(_engine_config("on"), {})
     if importable:
-        assert np.isnan(opts.suffix_min_score) and opts.suffix_from_checkpoint
+        assert np.isnan(opts.suffix_drafts) and opts.suffix_from_checkpoint
         assert opts.suffix_skipped is None
     else:  # a default is never an error: the streams alone, and why
-        assert opts.suffix_min_score is None and not opts.suffix_from_checkpoint
+        assert opts.suffix_drafts is None and not opts.suffix_from_checkpoint
         assert "arctic-inference's suffix decoding is not importable" in opts.suffix_skipped
         assert '{"suffix_drafts": "off"}' in opts.suffix_skipped  # how to silence it
     # The field wins either way (and an explicit 'on' without arctic-inference is the
     # front-end's error to raise: tests/unit/test_preflight.py).
-    user = read_options(_engine_config("on", suffix_drafts="off"), {})
-    assert user.suffix_min_score is None and user.suffix_skipped is None
-    user = read_options(_engine_config("on", suffix_drafts=0.5), {})
-    assert user.suffix_min_score == 0.5 and not user.suffix_from_checkpoint
+    user = resolve_settings(_engine_config("on", suffix_drafts="off"), {})
+    assert user.suffix_drafts is None and user.suffix_skipped is None
+    user = resolve_settings(_engine_config("on", suffix_drafts=0.5), {})
+    assert user.suffix_drafts == 0.5 and not user.suffix_from_checkpoint
     # Draft trees asked for: the default yields to them, it is not refused.
-    trees = read_options(_engine_config("on", tree_top_k=2), {})
-    assert trees.suffix_min_score is None and trees.tree_top_k == (2,)
+    trees = resolve_settings(_engine_config("on", tree_top_k=2), {})
+    assert trees.suffix_drafts is None and trees.tree_top_k == (2,)
     assert "field tree_top_k asks for draft trees" in trees.suffix_skipped
     # A threshold, 'off', no default, no speculation.
-    assert read_options(_engine_config("0.25"), {}).suffix_min_score == (
+    assert resolve_settings(_engine_config("0.25"), {}).suffix_drafts == (
         0.25 if importable else None
     )
     for quiet in (_engine_config("off"), _engine_config(None), _engine_config("on", k=0)):
-        opts = read_options(quiet, {})
-        assert opts.suffix_min_score is None and opts.suffix_skipped is None
+        opts = resolve_settings(quiet, {})
+        assert opts.suffix_drafts is None and opts.suffix_skipped is None
 
 
 def test_suffix_trees_are_found_in_the_projects_build_without_pythonpath(tmp_path, monkeypatch):

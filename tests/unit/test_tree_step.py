@@ -16,10 +16,10 @@ from vllm_specstream.model_executor.trees.step import (
     is_chain,
     tree_problem,
 )
-from vllm_specstream.speculation.options import (
-    SpecStreamOptions,
+from vllm_specstream.speculation.settings import (
+    EngineSettings,
     draft_tree_of,
-    read_options,
+    resolve_settings,
     tree_top_k_from,
 )
 from vllm_specstream.streams.draft_trees import tree_template
@@ -140,22 +140,22 @@ def test_tree_options_and_template_size():
     assert tree_top_k_from([3, 2, 1, 1]) == (3, 2, 1, 1) and tree_top_k_from(2) == (2,)
     with pytest.raises(ConfigError, match=r"\['tree_top_k'\]='two'"):
         tree_top_k_from("two")
-    tree = draft_tree_of(SpecStreamOptions(8, tree_top_k=(2,)), 4)
+    tree = draft_tree_of(EngineSettings(num_speculative_tokens=8, tree_top_k=(2,)), 4)
     assert tree == tree_template(4, 2, max_nodes=8) and tree.parents[:4] == (-1, 0, 1, 2)
     with pytest.raises(ConfigError, match="exceeds the 4 nodes"):
-        draft_tree_of(SpecStreamOptions(5, tree_top_k=(1, 1, 1, 1)), 4)
+        draft_tree_of(EngineSettings(num_speculative_tokens=5, tree_top_k=(1, 1, 1, 1)), 4)
     with pytest.raises(ConfigError, match="one per stream"):
-        draft_tree_of(SpecStreamOptions(5, tree_top_k=(2, 2)), 4)
-    assert read_options(_engine_config(tree_top_k=2), {}).trees
-    assert not read_options(_engine_config(), {}).trees
-    assert not read_options(_engine_config(k=0, tree_top_k=2), {}).trees  # no speculation
+        draft_tree_of(EngineSettings(num_speculative_tokens=5, tree_top_k=(2, 2)), 4)
+    assert resolve_settings(_engine_config(tree_top_k=2), {}).trees
+    assert not resolve_settings(_engine_config(), {}).trees
+    assert not resolve_settings(_engine_config(k=0, tree_top_k=2), {}).trees  # no speculation
     # pruning: unset (the checkpoint's threshold), off, a threshold; bad values name the field
-    assert read_options(_engine_config(), {}).tree_prune is None
-    assert read_options(_engine_config(tree_prune="off"), {}).tree_prune == 0.0
-    assert read_options(_engine_config(tree_prune=0.05), {}).tree_prune == 0.05
+    assert resolve_settings(_engine_config(), {}).tree_prune is None
+    assert resolve_settings(_engine_config(tree_prune="off"), {}).tree_prune == 0.0
+    assert resolve_settings(_engine_config(tree_prune=0.05), {}).tree_prune == 0.05
     for bad in (1.5, -0.1, "some"):
         with pytest.raises(ConfigError, match=r"\['tree_prune'\]"):
-            read_options(_engine_config(tree_prune=bad), {})
+            resolve_settings(_engine_config(tree_prune=bad), {})
 
 
 def test_tree_sampling_reads_the_distribution_vllms_sampler_forms():

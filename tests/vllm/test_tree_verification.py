@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_specstream_engine import run_engine
 
-from vllm_specstream.speculation.options import SCHEDULE_OPTION as SCHEDULE
+from vllm_specstream.speculation.settings import SCHEDULE_OPTION as SCHEDULE
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 

@@ -159,7 +159,7 @@ class BenchConfig:
     specstream_options: dict = field(default_factory=dict)
     """Extra ``speculative_config`` fields for the specstream methods."""
     specstream_fields: dict = field(default_factory=dict)
-    """Fields of ``additional_config["specstream"]`` (:mod:`vllm_specstream.speculation.options`) for
+    """Fields of ``additional_config["specstream"]`` (:mod:`vllm_specstream.speculation.settings`) for
     every specstream method."""
     tree_top_k: str = "2"
     """Field ``tree_top_k`` of the tree methods: one count, or one per stream (``2,2,1,1``)."""
@@ -198,7 +198,7 @@ class BenchConfig:
             if suffix_min_score_from(self.suffix_drafts) is None:
                 raise ValueError("--suffix-drafts: 'on' or a score threshold for specstream-suffix")
         from vllm_specstream.checkpoint.config import ConfigError
-        from vllm_specstream.speculation.options import check_environment, check_fields
+        from vllm_specstream.speculation.settings import check_environment, check_fields
 
         check_environment(os.environ)  # a retired variable: refused before any engine starts
         try:  # every method's fields, checked here rather than in each child process
@@ -294,7 +294,7 @@ def additional_config_for(method: str, cfg: BenchConfig) -> dict | None:
     """vLLM ``additional_config`` of ``method``: the plugin's fields of a specstream method
     (trees for the tree methods only, suffix drafts for ``specstream-suffix`` only, whatever
     the checkpoint's default); None for the others."""
-    from vllm_specstream.speculation.options import KEY
+    from vllm_specstream.speculation.settings import KEY
 
     if not method.startswith("specstream"):
         return None

@@ -34,8 +34,8 @@ from vllm_specstream.speculation.choices import (
     tree_choices,
 )
 from vllm_specstream.speculation.draft_watch import NoDraftWatch
-from vllm_specstream.speculation.options import field_hint, read_options
 from vllm_specstream.speculation.policy import DraftPolicy, lookup_length
+from vllm_specstream.speculation.settings import EngineSettings, field_hint
 from vllm_specstream.speculation.step_cost import StepCosts, StepTimer
 from vllm_specstream.speculation.suffix_drafts import (
     SCHEDULED_MIN_SCORE,
@@ -162,7 +162,7 @@ class SpecStreamProposer:
     """Speculative streaming drafts for vLLM's ``custom_class`` speculative method.
 
     Where the model runs the streams (the placement) is the engine's field ``placement``
-    (:mod:`vllm_specstream.speculation.options`; unset: the model's default). The draft
+    (:mod:`vllm_specstream.speculation.settings`; unset: the model's default). The draft
     length per step is the adaptive policy's (:mod:`vllm_specstream.speculation.policy`: the
     steps' cost as this engine times them against the acceptance seen so far), or the
     user's ``num_speculative_tokens_per_batch_size``; with field ``draft_min_prob`` the
@@ -171,7 +171,7 @@ class SpecStreamProposer:
     """
 
     def __init__(self, vllm_config):
-        options = read_options(vllm_config)
+        options = EngineSettings.of(vllm_config)
         if options.trees:
             _verify_trees_in_runner()
         _sample_plainly_without_drafts()
@@ -211,8 +211,8 @@ class SpecStreamProposer:
         self._filed_tree: TreeChoice | None = None
         #: Suffix trees beside the streams (None: the streams draft alone).
         self.suffix: SuffixDrafts | None = None
-        self.suffix_min_score = options.suffix_min_score
-        if options.suffix_min_score is not None:
+        self.suffix_min_score = options.suffix_drafts
+        if options.suffix_drafts is not None:
             self.suffix = SuffixDrafts(
                 SuffixSettings.of(vllm_config.speculative_config),
                 int(vllm_config.model_config.max_model_len),
@@ -222,8 +222,8 @@ class SpecStreamProposer:
                 "specstream drafts from suffix trees (prompt, output, earlier outputs) where "
                 "their draft scores at least %s, from the streams elsewhere (%s)",
                 "the streams' expected tokens per step cost, less one"
-                if math.isnan(options.suffix_min_score)
-                else f"{options.suffix_min_score:g}",
+                if math.isnan(options.suffix_drafts)
+                else f"{options.suffix_drafts:g}",
                 "the checkpoint's specstream.suffix_drafts; "
                 f"{field_hint('suffix_drafts', 'off')} turns them off"
                 if options.suffix_from_checkpoint

@@ -81,17 +81,12 @@ from vllm_specstream.model_executor.trees.pruning import (
 )
 from vllm_specstream.model_executor.trees.step import WORKER_TREES, depth_positions
 from vllm_specstream.patches.cpu_env import single_thread_note
-from vllm_specstream.speculation.options import (
-    PLACEMENTS,
-    TREE_PRUNE_NO_ADAPTER,
-    draft_tree_of,
-    read_options,
-)
 from vllm_specstream.speculation.preflight import (
     ADAPTER_STREAMS_NEED_LORA,
     STREAM_LORA_WITH_LORA,
     check_platform,
 )
+from vllm_specstream.speculation.settings import PLACEMENTS, EngineSettings, draft_tree_of
 from vllm_specstream.streams.decode_math import confident_drafts
 from vllm_specstream.streams.draft_trees import TreeTemplate, prune_nodes
 
@@ -118,9 +113,9 @@ class SpecStreamMixin:
         self.specstream = StreamParams(
             self.spec_config, hf_config.hidden_size, self.own_streams, hf_config
         )
-        #: The engine's runtime settings: one read, shared with the proposer (read_options).
-        self.options = read_options(vllm_config)
-        self.num_speculative_tokens = self.options.num_speculative_tokens
+        #: The engine's settings, resolved where vLLM built its config.
+        self.settings = EngineSettings.of(vllm_config)
+        self.num_speculative_tokens = self.settings.num_speculative_tokens
         if self.num_speculative_tokens > 0:
             # Also checked in the front-end (preflight); here for engines built without it.
             check_platform(current_platform)
@@ -134,8 +129,8 @@ class SpecStreamMixin:
                     logger.warning("specstream: %s", note)
         #: The draft tree's template (None: chain drafts).
         self.tree: TreeTemplate | None = None
-        if self.options.trees:
-            self.tree = draft_tree_of(self.options, self.spec_config.num_streams)
+        if self.settings.trees:
+            self.tree = draft_tree_of(self.settings, self.spec_config.num_streams)
             WORKER_TREES.bind_model(self)
             logger.info(
                 "specstream verifies draft trees: %d nodes (top-k per stream %s, field tree_top_k)",
@@ -161,7 +156,7 @@ class SpecStreamMixin:
         self.prune_layer = self.spec_config.prune_layer(n)
         self._layer_prefix = f"{prefix}.model." if prefix else "model."
         #: Early-exit pruning threshold of draft trees (0: off; :mod:`.trees.pruning`).
-        self.prune_threshold = self._prune_threshold(vllm_config) if self.tree is not None else 0.0
+        self.prune_threshold = self._prune_threshold() if self.tree is not None else 0.0
         #: Whether the next forward prunes its trees (the proposer's per-step choice).
         self.prune_trees = True
         # vLLM's public EAGLE-3 hook: the decoder then also returns the residual stream
@@ -173,7 +168,7 @@ class SpecStreamMixin:
         self._stream_weights: StreamWeights | None = None
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._model_dtype = vllm_config.model_config.dtype
-        self.draft_min_prob = self.options.draft_min_prob
+        self.draft_min_prob = self.settings.draft_min_prob
         if self.draft_min_prob > 0:
             logger.info(
                 "specstream drafts stop below cumulative stream probability %g (draft_min_prob)",
@@ -187,7 +182,7 @@ class SpecStreamMixin:
         #: Counts forwards with speculation on; tags each stash (see ``stash.py``).
         self.forward_step = 0
         #: Set by the proposer in ``load_model``.
-        self.placement = self.options.placement or "accepted"
+        self.placement = self.settings.placement or "accepted"
         #: Streams the window placement runs (the proposer's last draft length: stream ``j``
         #: sees streams ``<= j`` only, so fewer streams give the same first drafts).
         self.window_streams = self.spec_config.num_streams
@@ -212,35 +207,22 @@ class SpecStreamMixin:
         self._draft_head: Matmul | None = None
         self._draft_ids: torch.Tensor | None = None
 
-    def _prune_threshold(self, vllm_config: VllmConfig) -> float:
-        """The tree-pruning threshold of this engine: field ``tree_prune``, else the
-        checkpoint's ``prune.threshold`` if it has a pruning adapter, else 0 (off)."""
-        prune = self.spec_config.prune
-        threshold = self.options.tree_prune
-        if threshold is None:
-            threshold = prune.threshold if prune.enabled and self.own_streams else 0.0
-        elif threshold > 0 and not (prune.enabled and self.own_streams):
-            raise ConfigError(
-                TREE_PRUNE_NO_ADAPTER.format(threshold=threshold, where="config.json")
+    def _prune_threshold(self) -> float:
+        """The tree-pruning threshold of this engine (0: off; resolved with the checkpoint's
+        pruning adapter in :func:`~vllm_specstream.speculation.settings.resolve_settings`)."""
+        off = self.settings.tree_prune_off
+        threshold = self.settings.tree_prune or 0.0
+        if threshold > 0 and not current_platform.is_cpu():
+            off, threshold = "a non-CPU attention backend", 0.0
+        if off:
+            logger.warning("specstream tree pruning is off: %s", off)
+        if threshold > 0:
+            logger.info(
+                "specstream prunes draft trees at layer %d below early-exit probability %g "
+                "(tree_prune)",
+                self.prune_layer,
+                threshold,
             )
-        if threshold <= 0:
-            return 0.0
-        why = None
-        if not vllm_config.model_config.enforce_eager:
-            why = "the decoder is compiled (pruning runs its layers eagerly: enforce_eager=True)"
-        elif vllm_config.lora_config:
-            why = "LoRA serving (LoRA layers map every row of the batch)"
-        elif not current_platform.is_cpu():
-            why = "a non-CPU attention backend"
-        if why is not None:
-            logger.warning("specstream tree pruning is off: %s", why)
-            return 0.0
-        logger.info(
-            "specstream prunes draft trees at layer %d below early-exit probability %g "
-            "(tree_prune)",
-            self.prune_layer,
-            threshold,
-        )
         return threshold
 
     def default_placement(self) -> str:
@@ -337,7 +319,7 @@ class SpecStreamMixin:
             self._stream_weights = build_stream_weights(
                 list(self.model.layers)[self.first_msa_layer :],
                 self._lm_head_weight(),
-                mode=self.options.stream_dtype,
+                mode=self.settings.stream_dtype,
                 platform_is_cpu=current_platform.is_cpu(),
                 model_dtype=self._model_dtype,
                 tp_size=self._tp_size,

@@ -6,7 +6,7 @@ On a CPU with native bf16 dot products (AVX512-BF16, AMX) an fp32 checkpoint's s
 then reads half the bytes of the top ``num_msa_layers`` layers and of the LM head: the LM head
 over 4 stream rows drops from ~4.6 to ~1.9 ms on a Zen 4 core.
 
-The engine's field ``stream_dtype`` (:class:`vllm_specstream.speculation.options.SpecStreamOptions`) chooses:
+The engine's field ``stream_dtype`` (:class:`vllm_specstream.speculation.settings.EngineSettings`) chooses:
 
 * ``auto`` (default): bf16 copies when the platform is CPU, the model is fp32, the CPU has
   native bf16 and the model is not tensor-parallel; vLLM's modules otherwise.

@@ -6,7 +6,7 @@ vLLM 0.32 builds and validates ``VllmConfig`` in the front-end process
 the model is built and the ``custom_class`` proposer imported. Errors raised there reach the
 user inside several processes' tracebacks; raised here they are the last line printed. The
 wrapper below lets vLLM build the config, then runs, for a specstream engine,
-:func:`check_options` (its configuration) and
+:func:`check_settings` (its settings, resolved once and handed down) and
 :func:`vllm_specstream.speculation.preflight.check_setup` on it. For a specstream engine on a CPU
 without native bf16 it also acts on the dtype (:func:`vllm_specstream.speculation.preflight.dtype_advice`):
 with ``--dtype auto`` and a bf16 checkpoint the config is built in float32 (said once);
@@ -30,7 +30,7 @@ def check_vllm_config(vllm_config) -> None:
 
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
-    options = check_options(vllm_config) if _serves_specstream(vllm_config) else None
+    settings = check_settings(vllm_config) if _serves_specstream(vllm_config) else None
     check_setup(
         model=model_config.model,
         hf_config=model_config.hf_config,
@@ -46,30 +46,32 @@ def check_vllm_config(vllm_config) -> None:
         pipeline_parallel_size=getattr(
             getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1
         ),
-        options=options,
+        settings=settings,
     )
-    if options is not None and options.num_speculative_tokens and current_platform.is_cpu():
+    if settings is not None and settings.num_speculative_tokens and current_platform.is_cpu():
         _bind_worker_threads(vllm_config)
 
 
-def check_options(vllm_config, environ=None):
-    """The engine's configuration exactly as its model and proposer will read it
-    (:func:`~vllm_specstream.speculation.options.read_options`), read here so that a bad field or a
-    malformed ``num_speculative_tokens_per_batch_size`` (vLLM's own validator) is refused
-    before the engine spawns."""
+def check_settings(vllm_config, environ=None):
+    """The engine's settings resolved once
+    (:func:`~vllm_specstream.speculation.settings.resolve_settings`), here so that a bad field
+    or a malformed ``num_speculative_tokens_per_batch_size`` (vLLM's own validator) is
+    refused before the engine spawns; handed down to the engine's model and proposer in
+    ``vllm_config`` (:func:`~vllm_specstream.speculation.settings.hand_down`)."""
     from vllm_specstream.checkpoint.config import ConfigError
     from vllm_specstream.patches.vllm_schedule import schedule_lookup
-    from vllm_specstream.speculation.options import read_options
+    from vllm_specstream.speculation.settings import hand_down, resolve_settings
 
-    options = read_options(vllm_config, environ)
-    if options.schedule:
+    settings = resolve_settings(vllm_config, environ)
+    if settings.schedule:
         scheduler = getattr(vllm_config, "scheduler_config", None)
         max_seqs = max(int(getattr(scheduler, "max_num_seqs", 0) or 0), 1)
         try:
-            schedule_lookup(list(options.schedule), max_seqs, options.num_speculative_tokens)
+            schedule_lookup(list(settings.schedule), max_seqs, settings.num_speculative_tokens)
         except ValueError as e:
             raise ConfigError(f"speculative_config {e}") from e
-    return options
+    hand_down(vllm_config, settings)
+    return settings
 
 
 def _bind_worker_threads(vllm_config) -> None:

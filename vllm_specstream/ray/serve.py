@@ -60,7 +60,7 @@ class SpecStreamServeConfig:
     """Drafts per step; default: the checkpoint's ``specstream.num_streams``."""
     specstream: dict = field(default_factory=dict)
     """The plugin's fields for every replica's engine (``additional_config["specstream"]``,
-    :mod:`vllm_specstream.speculation.options`), e.g. ``{"placement": "window"}``."""
+    :mod:`vllm_specstream.speculation.settings`), e.g. ``{"placement": "window"}``."""
     model_id: str = "specstream"
     """The ``model`` name clients send."""
     dtype: str | None = None
@@ -131,7 +131,7 @@ def llm_config(config: SpecStreamServeConfig, *, cpu: bool | None = None) -> LLM
         "speculative_config": speculative_config(k),
     }
     if config.specstream:
-        from vllm_specstream.speculation.options import KEY
+        from vllm_specstream.speculation.settings import KEY
 
         engine["additional_config"] = {KEY: dict(config.specstream)}
     if cpu:

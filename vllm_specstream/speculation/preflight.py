@@ -20,9 +20,8 @@ from vllm_specstream.checkpoint.merged import (
     read_specstream_section,
 )
 from vllm_specstream.machine import cpu_class, native_bf16
-from vllm_specstream.speculation.options import (
-    TREE_PRUNE_NO_ADAPTER,
-    SpecStreamOptions,
+from vllm_specstream.speculation.settings import (
+    EngineSettings,
     check_proposer,
     draft_tree_of,
 )
@@ -93,17 +92,18 @@ def check_setup(
     lora_enabled: bool = False,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
-    options: SpecStreamOptions | None = None,
+    settings: EngineSettings | None = None,
 ) -> None:
     """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
     engine config cannot serve: ``model`` is vLLM's model path, ``hf_config`` its parsed
     ``config.json``, ``spec_*`` the resolved speculative config (None without one),
-    ``options`` the engine's configuration
-    (:func:`~vllm_specstream.patches.engine_config_check.check_options`; None: the defaults)."""
+    ``settings`` the engine's settings
+    (:func:`~vllm_specstream.patches.engine_config_check.check_settings`; None: the defaults).
+    The fields themselves were validated when they were resolved."""
     if spec_method == "custom_class":
         check_proposer(spec_model)
     speculating = uses_specstream_proposer(spec_method, spec_model)
-    options = options or SpecStreamOptions(num_speculative_tokens or 0)
+    settings = settings or EngineSettings(num_speculative_tokens=num_speculative_tokens or 0)
     if speculating:
         check_platform(platform)
         if num_speculative_tokens and pipeline_parallel_size > 1:
@@ -131,15 +131,12 @@ def check_setup(
     if (
         speculating
         and num_speculative_tokens
-        and options.suffix_min_score is not None
-        and not options.suffix_from_checkpoint
+        and settings.suffix_drafts is not None
+        and not settings.suffix_from_checkpoint
     ):
         suffix_cache_class()  # raises, naming the field, where arctic-inference is missing
-    if speculating and num_speculative_tokens and options.trees:
-        draft_tree_of(options, config.num_streams)  # raises on a size the tree cannot fill
-        threshold = options.tree_prune
-        if threshold and not config.prune.enabled:
-            raise ConfigError(TREE_PRUNE_NO_ADAPTER.format(threshold=threshold, where=config_file))
+    if speculating and num_speculative_tokens and settings.trees:
+        draft_tree_of(settings, config.num_streams)  # raises on a size the tree cannot fill
     elif speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
         g = config.num_streams
         raise ConfigError(

@@ -4,7 +4,7 @@ A task fine-tune's answers copy a lot: column names from the schema in the promp
 name from the dialogue, phrases of earlier answers. Suffix decoding (arXiv 2411.04975) drafts
 those for free, by matching the request's last tokens in suffix trees over its prompt and
 output and over earlier requests' outputs; the streams draft what is learnt, at the cost of a
-stream pass. With the engine field ``suffix_drafts: on`` (:mod:`vllm_specstream.speculation.options`) a request's step takes the suffix trees'
+stream pass. With the engine field ``suffix_drafts: on`` (:mod:`vllm_specstream.speculation.settings`) a request's step takes the suffix trees'
 draft where its score (the sum of its tokens' estimated probabilities: expected accepted
 tokens) makes the step yield as many tokens per cost as the streams are expected to (the
 adaptive policy's expected tokens over its step cost; a step with suffix drafts only runs no

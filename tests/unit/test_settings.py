@@ -1,6 +1,7 @@
 """The plugin's per-engine configuration: the fields of ``additional_config["specstream"]``,
 and the refusal of the environment variables and proposer classes they replace."""
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -8,14 +9,17 @@ import pytest
 
 from vllm_specstream import PROPOSER, speculative_config
 from vllm_specstream.checkpoint.config import ConfigError
-from vllm_specstream.speculation.options import (
+from vllm_specstream.speculation.settings import (
+    FIELDS,
     KEY,
     RETIRED_VARIABLES,
-    SpecStreamOptions,
+    SETTINGS_KEY,
+    EngineSettings,
     check_fields,
     check_proposer,
     fields_of,
-    read_options,
+    hand_down,
+    resolve_settings,
 )
 
 
@@ -36,11 +40,11 @@ def engine(k=4, model=PROPOSER, **fields):
 
 def test_unset_fields_are_the_defaults():
     for config in (engine(), SimpleNamespace(additional_config=None), SimpleNamespace()):
-        options = read_options(config, {})
+        options = resolve_settings(config, {})
         assert options.placement is None and options.stream_dtype == "auto"
         assert options.draft_min_prob == 0.0 and options.tree_top_k is None
-        assert options.tree_prune is None and options.suffix_min_score is None
-    assert check_fields(None) == SpecStreamOptions()
+        assert options.tree_prune is None and options.suffix_drafts is None
+    assert check_fields(None) == EngineSettings()
     assert fields_of(SimpleNamespace(additional_config={"other_plugin": 1})) == {}
 
 
@@ -61,18 +65,18 @@ def test_unset_fields_are_the_defaults():
         ("tree_prune", 0.05, "tree_prune", 0.05),
         ("tree_prune", "off", "tree_prune", 0.0),
         ("tree_prune", None, "tree_prune", None),
-        ("suffix_drafts", 0.5, "suffix_min_score", 0.5),
-        ("suffix_drafts", "1.5", "suffix_min_score", 1.5),
-        ("suffix_drafts", "off", "suffix_min_score", None),
+        ("suffix_drafts", 0.5, "suffix_drafts", 0.5),
+        ("suffix_drafts", "1.5", "suffix_drafts", 1.5),
+        ("suffix_drafts", "off", "suffix_drafts", None),
     ],
 )
 def test_each_field_is_parsed(field, value, attribute, parsed):
-    assert getattr(read_options(engine(**{field: value}), {}), attribute) == parsed
+    assert getattr(resolve_settings(engine(**{field: value}), {}), attribute) == parsed
 
 
 def test_suffix_drafts_on_follows_the_streams_yield():
-    options = read_options(engine(suffix_drafts="on"), {})
-    assert math.isnan(options.suffix_min_score) and not options.suffix_from_checkpoint
+    options = resolve_settings(engine(suffix_drafts="on"), {})
+    assert math.isnan(options.suffix_drafts) and not options.suffix_from_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -96,7 +100,7 @@ def test_suffix_drafts_on_follows_the_streams_yield():
 )
 def test_a_bad_value_is_refused_naming_its_field(field, value):
     with pytest.raises(ConfigError) as refused:
-        read_options(engine(**{field: value}), {})
+        resolve_settings(engine(**{field: value}), {})
     message = str(refused.value)
     assert message.startswith(f"additional_config['specstream'][{field!r}]={value!r}: expected")
     # refused by the front-end's check of the section alone too, speculating or not
@@ -106,7 +110,7 @@ def test_a_bad_value_is_refused_naming_its_field(field, value):
 
 def test_an_unknown_field_is_refused_with_a_suggestion():
     with pytest.raises(ConfigError, match=r"unknown field\(s\) \['tree_topk'\]") as refused:
-        read_options(engine(tree_topk=2), {})
+        resolve_settings(engine(tree_topk=2), {})
     assert "did you mean 'tree_top_k'?" in str(refused.value)
     with pytest.raises(ConfigError, match=r"unknown field\(s\) \['zzz'\]; the fields are \["):
         check_fields({KEY: {"zzz": 1}})
@@ -114,15 +118,15 @@ def test_an_unknown_field_is_refused_with_a_suggestion():
 
 def test_a_section_that_is_not_a_mapping_is_refused():
     with pytest.raises(ConfigError, match=r"additional_config\['specstream'\] must be a mapping"):
-        read_options(SimpleNamespace(additional_config={KEY: "tree_top_k=2"}), {})
+        resolve_settings(SimpleNamespace(additional_config={KEY: "tree_top_k=2"}), {})
     with pytest.raises(ConfigError, match="must be a mapping"):
         check_fields({KEY: [("tree_top_k", 2)]})
 
 
 def test_suffix_drafts_and_trees_are_refused_together():
     with pytest.raises(ConfigError, match="leave out tree_top_k or suffix_drafts"):
-        read_options(engine(tree_top_k=2, suffix_drafts="on"), {})
-    assert read_options(engine(tree_top_k=2, suffix_drafts="off"), {}).trees
+        resolve_settings(engine(tree_top_k=2, suffix_drafts="on"), {})
+    assert resolve_settings(engine(tree_top_k=2, suffix_drafts="off"), {}).trees
 
 
 @pytest.mark.parametrize(
@@ -140,34 +144,34 @@ def test_a_retired_variable_is_refused_naming_its_field(variable, value, transla
     field = RETIRED_VARIABLES[variable]
     config = engine()
     with pytest.raises(ConfigError) as refused:
-        read_options(config, {variable: value})
+        resolve_settings(config, {variable: value})
     message = str(refused.value)
     assert message.startswith(f"{variable} is no longer read: set field {field!r}")
     assert f'additional_config={{"specstream": {translated}}}' in message
     assert f"--additional-config '{{\"specstream\": {translated}}}'" in message
     assert message.endswith(f"unset {variable}")
     # whether or not the engine config was read before, and without speculation too
-    read_options(config, {})
+    resolve_settings(config, {})
     with pytest.raises(ConfigError, match=f"{variable} is no longer read"):
-        read_options(config, {variable: value})
+        resolve_settings(config, {variable: value})
     with pytest.raises(ConfigError, match=f"{variable} is no longer read"):
-        read_options(None, {variable: value})
+        resolve_settings(None, {variable: value})
 
 
 def test_retired_variables_are_read_from_the_process_by_default(monkeypatch):
     for variable in RETIRED_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     config = engine(tree_top_k=2)
-    assert read_options(config).trees
+    assert resolve_settings(config).trees
     monkeypatch.setenv("SPECSTREAM_TREE_TOP_K", "2")
     with pytest.raises(ConfigError, match="SPECSTREAM_TREE_TOP_K is no longer read"):
-        read_options(config)
+        resolve_settings(config)
 
 
 def test_a_retired_proposer_class_is_refused_naming_its_placement():
     retired = "vllm_specstream.proposer.WindowSpecStreamProposer"
     with pytest.raises(ConfigError) as refused:
-        read_options(engine(model=retired), {})
+        resolve_settings(engine(model=retired), {})
     message = str(refused.value)
     assert f"model={retired!r} was moved: use {PROPOSER!r}" in message
     assert "placement='window'" in message and '{"specstream": {"placement": "window"}}' in message
@@ -204,10 +208,10 @@ def test_a_bad_checkpoint_default_names_the_checkpoints_config():
         model="/ckpt", hf_config=SimpleNamespace(specstream={"suffix_drafts": "always"})
     )
     with pytest.raises(ConfigError, match=r"/ckpt config.json \(specstream\): suffix_drafts"):
-        read_options(config, {})
+        resolve_settings(config, {})
     # The engine's own field wins and is the one read.
     config.additional_config = {KEY: {"suffix_drafts": "off"}}
-    assert read_options(config, {}).suffix_min_score is None
+    assert resolve_settings(config, {}).suffix_drafts is None
 
 
 def test_the_proposers_earlier_path_is_refused_naming_the_alias():
@@ -253,24 +257,54 @@ def _vllm_config(k=4, schedule=None, model=PROPOSER, method="custom_class", **fi
 
 def test_options_are_read_once_and_name_the_bad_field():
     config = _vllm_config(3, [(1, 4, 2)], stream_dtype="BFloat16", draft_min_prob=0.25)
-    options = read_options(config, {})
+    options = resolve_settings(config, {})
     assert options.stream_dtype == "bfloat16" and options.draft_min_prob == 0.25
     assert options.schedule == ((1, 4, 2),) and options.num_speculative_tokens == 3
-    assert read_options(None, {}).draft_min_prob == 0.0  # speculation off: rule off
-    assert read_options(_vllm_config(3), {}).draft_min_prob == 0.0  # unset: rule off
+    assert resolve_settings(None, {}).draft_min_prob == 0.0  # speculation off: rule off
+    assert resolve_settings(_vllm_config(3), {}).draft_min_prob == 0.0  # unset: rule off
     for name, bad in [("stream_dtype", "fp8"), ("draft_min_prob", 1), ("draft_min_prob", "high")]:
         with pytest.raises(ConfigError, match=rf"\['specstream'\]\['{name}'\]={bad!r}"):
-            read_options(_vllm_config(**{name: bad}), {})
+            resolve_settings(_vllm_config(**{name: bad}), {})
 
 
-def test_one_engine_config_is_read_once():
-    """The model and the proposer of one worker share one read of the engine config;
-    another engine config reads its own fields."""
-    config = _vllm_config(3, draft_min_prob=0.25)
-    first = read_options(config, {})
-    assert first.draft_min_prob == 0.25 and read_options(config, {}) is first
-    other = read_options(_vllm_config(3, draft_min_prob=0.5), {})
-    assert other is not first and other.draft_min_prob == 0.5
+def test_the_front_end_hands_its_settings_down_to_the_engine():
+    """Resolved once where vLLM builds the config; the model and the proposer take that
+    record from the engine config, whatever the worker's environment says."""
+    config = _vllm_config(3, [(1, 4, 2)], draft_min_prob=0.25, tree_top_k=[2, 1])
+    users = config.additional_config
+    settings = resolve_settings(config, {})
+    hand_down(config, settings)
+    assert EngineSettings.of(config) == settings
+    assert settings.tree_top_k == (2, 1) and settings.schedule == ((1, 4, 2),)
+    assert SETTINGS_KEY not in users  # the user's dict may serve other engines
+    json.dumps(config.additional_config)  # vLLM hashes it
+    config.additional_config[KEY] = {"draft_min_prob": 0.5}  # read once: the record stands
+    assert EngineSettings.of(config).draft_min_prob == 0.25
+    # Without a front-end (an engine config built by hand), the engine resolves it itself.
+    assert EngineSettings.of(_vllm_config(3, draft_min_prob=0.5)).draft_min_prob == 0.5
+    stale = dict(config.additional_config, **{SETTINGS_KEY: {"placement": None}})
+    with pytest.raises(ConfigError, match="not written by this vllm-specstream"):
+        EngineSettings.of(SimpleNamespace(additional_config=stale))
+
+
+def test_each_field_is_defined_once_and_documented():
+    """The fields users set are the settings' fields made with ``user_field``; the
+    configuration docs list each of them."""
+    from pathlib import Path
+
+    assert list(FIELDS) == [
+        "placement",
+        "stream_dtype",
+        "tree_top_k",
+        "tree_prune",
+        "suffix_drafts",
+        "draft_min_prob",
+        "prompt_lookup",
+    ]
+    docs = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for name in FIELDS:
+        assert f"| `{name}` |" in docs, name
+    assert check_fields(None) == resolve_settings(None, {})
 
 
 def test_other_speculative_methods_leave_the_streams_off():
@@ -282,15 +316,15 @@ def test_other_speculative_methods_leave_the_streams_off():
         ("medusa", "/heads"),
         ("custom_class", "my.Proposer"),
     ]:
-        options = read_options(_vllm_config(4, [(1, 4, 2)], model, method), {})
+        options = resolve_settings(_vllm_config(4, [(1, 4, 2)], model, method), {})
         assert options.num_speculative_tokens == 0 and options.schedule is None, method
         assert options.placement is None
-    assert read_options(_vllm_config(4), {}).num_speculative_tokens == 4
+    assert resolve_settings(_vllm_config(4), {}).num_speculative_tokens == 4
 
 
 def test_placement_is_the_engine_field():
-    assert read_options(_vllm_config(4), {}).placement is None  # the model's default
+    assert resolve_settings(_vllm_config(4), {}).placement is None  # the model's default
     for placement in ("window", "accepted"):
-        assert read_options(_vllm_config(4, placement=placement), {}).placement == placement
+        assert resolve_settings(_vllm_config(4, placement=placement), {}).placement == placement
     with pytest.raises(ConfigError, match=r"\['placement'\]='middle'"):
-        read_options(_vllm_config(4, placement="middle"), {})
+        resolve_settings(_vllm_config(4, placement="middle"), {})
