@@ -87,21 +87,21 @@ def test_a_request_whose_prompt_repeats_takes_the_lookup_and_its_acceptance_foll
     # "a" copies (1.5 tokens expected kept beat the streams' 1.6 per step less one), no
     # stream pass for it; "b" keeps the streams' drafts.
     assert drafts == [[7, 8, 9], [21, 22, 23]]
-    assert p.target.streams_for == [[1]] and p.lookup_drafted == 1
+    assert p.target.streams_for == [[1]] and p.copies.lookup_drafted == 1
     assert p.policy.stats.pending.tolist() == [1, 1, 1]  # the streams': "b"'s only
     # Next step the batch's rows moved ("b" first); "a" kept all three lookup drafts.
     p._test_runner.input_batch.req_ids = ["b", "a"]
     p.target.forward()
-    lookup_before = p.prompt_lookup.stats[4].accepted.sum()
+    lookup_before = p.copies.prompt_lookup.stats[4].accepted.sum()
     p.propose([[5], [7, 8, 9, 1]], np.array([14, 17]), _repeating_tokens()[::-1])
-    assert p.prompt_lookup.stats[4].accepted.sum() - lookup_before == 3
+    assert p.copies.prompt_lookup.stats[4].accepted.sum() - lookup_before == 3
     assert p.policy.stats.accepted.sum() == 0  # "b" kept none of the streams' drafts
 
 
 def test_off_leaves_the_streams_to_draft(monkeypatch):
     p = _proposer(monkeypatch, FakeCache(), min_score="off")  # the field off
     monkeypatch.setattr(p, "streams_yield", lambda batch_size, k: 1.6)
-    assert p.prompt_lookup is None
+    assert p.copies.prompt_lookup is None
     assert p.propose(SAMPLED, np.array([13, 13]), _repeating_tokens()) == [
         [11, 12, 13],
         [21, 22, 23],

@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.proposer import anchor_rows, last_accepted_index, select_drafts
 from vllm_specstream.model_executor.stash import StreamStash, take_stream_rows
+from vllm_specstream.model_executor.stream_drafts import (
+    anchor_rows,
+    last_accepted_index,
+    select_drafts,
+)
 from vllm_specstream.model_executor.stream_forward import (
     accepted_anchors,
     last_window_anchors,
@@ -91,18 +95,25 @@ def test_anchor_rows_feed_accepted_anchors():
 
 
 class _Target:
-    """The model as the proposer sees it: one forward of two decode requests, each with a
-    window [root, d1] at positions 10..11 (tokens 100, 101 and 200, 201), d1 accepted."""
+    """The model's streams as the proposer sees them (``model.streams``): one forward of two
+    decode requests, each with a window [root, d1] at positions 10..11 (tokens 100, 101 and
+    200, 201), d1 accepted."""
 
-    spec_config = None
     draft_min_prob = 0.0
+    placement = "accepted"
 
     def __init__(self):
         self.forward_step = 0
         self.stash = None
         self.no_stash_reason = None
-        self.placement = None
         self.window_streams = 3
+
+    @property
+    def streams(self):  # the model's, as the proposer's load_model takes them
+        return self
+
+    def prepare(self):
+        pass
 
     def forward(self, input_ids=(100, 101, 200, 201)):
         self.forward_step += 1
@@ -116,12 +127,6 @@ class _Target:
             positions=torch.tensor([10, 11, 10, 11]),
         )
         self.stash = StreamStash(self.forward_step, batch, torch.tensor(input_ids), table)
-
-    def set_placement(self, placement):
-        self.placement = placement
-
-    def default_placement(self):
-        return "accepted"
 
     def take_stash(self):
         stash, self.stash = self.stash, None
@@ -163,39 +168,48 @@ def _proposer(target=None, **fields):
     return proposer
 
 
-def test_the_placement_field_sets_where_the_model_runs_the_streams():
-    assert _proposer().target.placement == "accepted"  # unset: the model's default
-    assert _proposer(placement="window").target.placement == "window"
-    assert _proposer(placement="accepted").target.placement == "accepted"
+def test_the_placement_is_decided_once_by_the_field_the_trees_and_the_decoder():
+    from vllm_specstream.model_executor.stream_pass import choose_placement
+
+    assert choose_placement(None, eager=True, trees=False)[0] == "window"
+    assert choose_placement(None, eager=False, trees=False)[0] == "accepted"
+    for eager in (True, False):
+        for placement in ("window", "accepted"):
+            assert choose_placement(placement, eager, trees=False) == (
+                placement,
+                "field placement",
+            )
+        # window rows inside a tree would read keys/values of rejected siblings
+        assert choose_placement("window", eager, trees=True)[0] == "accepted"
 
 
 def test_this_steps_stash_drafts_and_is_cleared():
     proposer = _proposer()
     proposer.target.forward()
     assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids()) == [[11, 12, 13], [21, 22, 23]]
-    assert proposer.target.stash is None and proposer.refused_stashes == 0
+    assert proposer.target.stash is None and proposer.reader.refused_stashes == 0
     # Proposing again without a forward: the used stash is gone, nothing is drafted.
     assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids()) == [[], []]
 
 
 def test_a_stale_stash_is_refused_and_counted(monkeypatch):
-    import vllm_specstream.model_executor.proposer as proposer_module
+    import vllm_specstream.model_executor.stream_drafts as stream_drafts
 
     warnings = []
-    monkeypatch.setattr(proposer_module.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    monkeypatch.setattr(stream_drafts.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
     proposer = _proposer()
     target = proposer.target
     target.forward()
     target.forward_step += 1  # a later forward that left no stash of its own
     assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids()) == [[], []]
-    assert proposer.refused_stashes == 1 and target.stash is None
+    assert proposer.reader.refused_stashes == 1 and target.stash is None
     # A stash of this step, but of other tokens at the anchors: another batch's rows.
     target.forward()
     assert proposer.propose(SAMPLED, NUM_TOKENS, _token_ids(d1_second=999)) == [[], []]
     # One with fewer requests than this step has.
     target.forward()
     assert proposer.propose([*SAMPLED, [7]], np.array([13, 13, 5]), None) == [[], [], []]
-    assert proposer.refused_stashes == 3
+    assert proposer.reader.refused_stashes == 3
     assert len(warnings) == 1 and "made by forward 1, the last forward was 2" in warnings[0]
 
 

@@ -10,8 +10,9 @@ from test_proposer import _Target as ForwardTarget
 from test_settings import _vllm_config
 
 from vllm_specstream.model_executor.forward_batch import ForwardBatch
-from vllm_specstream.model_executor.proposer import SpecStreamProposer, drafts_at
+from vllm_specstream.model_executor.proposer import SpecStreamProposer
 from vllm_specstream.model_executor.stash import StreamStash
+from vllm_specstream.model_executor.stream_drafts import drafts_at
 from vllm_specstream.speculation.choices import AnchoredChain, TreeChoice
 from vllm_specstream.speculation.policy import lookup_length
 from vllm_specstream.streams.decode_math import confident_drafts
@@ -79,8 +80,7 @@ class _WindowTarget(_Target):
             self.stash.msa_input = torch.zeros(n, 8)
         self.ran_at_anchors: list[int] = []
 
-    def default_placement(self):
-        return "window"
+    placement = "window"
 
     def draft_at(self, stash, rows, indices, num_streams=0):
         if stash.msa_input is not None:
@@ -180,11 +180,7 @@ class _TreeTarget(_Target):
         self.prune_trees = True
         self.stash.draft_topk = TOPK.expand(n, 4, 2)
 
-    def default_placement(self):
-        return "window"  # an eager model's default
-
-    def set_placement(self, placement):
-        self.placement = "accepted"  # as the model: trees run the streams at the anchors
+    placement = "accepted"  # as the model's: trees run the streams at the anchors
 
 
 @pytest.fixture
@@ -269,7 +265,7 @@ def test_tree_engine_proposer_drafts_trees_as_the_policy_chooses(monkeypatch, tr
     drafts = propose([[1], [1]])
     assert drafts[0] == [11, 12, 13, 14, 21, 22, 12, 22]  # fill_tree: the chain first
     assert drafts[1] == [11, 12, 13, 14]  # logprobs: a chain beside the tree
-    assert proposer._tree_rows == {0} and list(WORKER_TREES.book.take()) == ["a"]
+    assert proposer.reader.tree_rows == {0} and list(WORKER_TREES.book.take()) == ["a"]
     assert proposer.target.prune_trees is False  # an unpruned choice
     # The next call reads what the step kept: the tree row its path, the chain row its
     # drafts; only the chain row's drafts enter the chain estimate, the path the 8-node

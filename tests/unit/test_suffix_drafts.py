@@ -268,7 +268,7 @@ def test_scoring_suffix_drafts_replace_the_streams_and_skip_their_pass(monkeypat
     # "a" copies (score 2.0 >= 0.5, as long as the streams' drafts); "b" keeps the streams'.
     assert drafts == [[7, 8, 9], [21, 22, 23]]
     assert p.target.streams_for == [[1]]  # the stream pass ran for "b" only
-    assert p._copied == {"a": 0} and p.suffix_drafted == 1
+    assert p.copies.copied == {"a": 0} and p.copies.suffix_drafted == 1
     # The streams' acceptance estimate counts "b"'s drafts only, and the step is not timed
     # as a stream choice.
     assert p.policy.stats.pending.tolist() == [1, 1, 1]
@@ -309,14 +309,14 @@ def test_on_weighs_tokens_per_step_cost_against_the_streams(monkeypatch):
 
 
 def test_without_the_runner_the_streams_draft_alone_and_it_is_said(monkeypatch):
-    from vllm_specstream.model_executor import proposer as proposer_module
+    from vllm_specstream.model_executor import copied_drafts
 
     warnings = []
-    monkeypatch.setattr(proposer_module.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    monkeypatch.setattr(copied_drafts.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
     p = _proposer(monkeypatch, FakeCache(draft=([7, 8, 9], 3.0)))
-    p._runner = None
+    p.copies._runner = None
     assert p.propose(SAMPLED, np.array([13, 13]), _tokens()) == [[11, 12, 13], [21, 22, 23]]
-    assert p.suffix is None and len(warnings) == 1 and "proposer-runner" in warnings[0]
+    assert p.copies.suffix is None and len(warnings) == 1 and "proposer-runner" in warnings[0]
 
 
 def test_where_the_streams_do_not_pay_suffix_drafts_are_weighed_against_a_plain_step(

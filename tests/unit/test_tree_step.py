@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_specstream.checkpoint.config import ConfigError
-from vllm_specstream.model_executor.proposer import tree_anchor_indices
+from vllm_specstream.model_executor.stream_drafts import tree_anchor_indices
 from vllm_specstream.model_executor.trees.step import (
     TreeBook,
     accept_row,

@@ -233,7 +233,7 @@ def _compare_stream_layers(model) -> dict:
     from vllm_specstream.model_executor.stream_forward import StreamStart, msa_layer
     from vllm_specstream.streams.stream_math import joint_attention_mask
 
-    runner = model._stream_runner()
+    runner = model.streams.runner()
     torch.manual_seed(0)
     attn = runner.layers[0].self_attn
     r, g, p, heads, d = 2, 3, 9, attn.num_kv_heads, attn.head_dim

@@ -67,6 +67,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 def add_parser(sub) -> None:
+    from vllm_specstream.speculation.settings import FIELDS
     from vllm_specstream.training.tasks import ALL_TASKS
 
     defaults = DefaultsHelpFormatter
@@ -116,24 +117,22 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--tree-top-k",
         default="2",
-        help="specstream-tree: candidates per stream (field tree_top_k: one, or one per "
-        "stream, e.g. 2,2,1,1)",
+        help=f"specstream-tree: field tree_top_k, {FIELDS['tree_top_k']} (here 2 or 2,2,1,1)",
     )
     p.add_argument(
         "--tree-nodes", type=int, default=8, help="specstream-tree: draft nodes per request"
     )
     p.add_argument(
         "--tree-prune",
-        help="specstream-tree-pruned and specstream-tree: early-exit pruning threshold "
-        "(field tree_prune; default: the checkpoint's prune.threshold, 'off': none); "
-        "specstream-tree-fixed never prunes",
+        help=f"specstream-tree-pruned and specstream-tree: field tree_prune, "
+        f"{FIELDS['tree_prune']}; specstream-tree-fixed never prunes",
     )
     p.add_argument(
         "--suffix-drafts",
         default="on",
-        help="specstream-suffix: field suffix_drafts ('on': a request drafts from the "
-        "suffix trees where that yields as many tokens per step cost as the streams; or a "
-        "fixed score threshold)",
+        help=f"specstream-suffix: field suffix_drafts, {FIELDS['suffix_drafts']} ('on': a "
+        "request drafts from the suffix trees where that yields as many tokens per step cost "
+        "as the streams)",
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="runs of each cell's prompts")
