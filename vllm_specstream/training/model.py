@@ -323,6 +323,30 @@ class HFStreamOps:
         return act(gate) * up
 
 
+def main_masks(
+    input_ids: Tensor,
+    past: int,
+    attention_mask: Tensor | None,
+    positions: Tensor | None,
+    new_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The main stream's positions ``[B, T]``, attention mask ``[B, T, past + T]`` (all
+    cached keys, the allowed new keys: causal unless ``new_mask`` says otherwise, no padding
+    keys) and which keys are real ``[B, past + T]``."""
+    b, t = input_ids.shape
+    device = input_ids.device
+    if positions is None:
+        positions = torch.arange(past, past + t, device=device).expand(b, t)
+    if new_mask is None:
+        new_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+    key_valid = torch.ones(b, past + t, dtype=torch.bool, device=device)
+    if attention_mask is not None:
+        key_valid[:, past:] = attention_mask.bool()
+    seen_past = torch.ones(b, t, past, dtype=torch.bool, device=device)
+    attn_mask = torch.cat((seen_past, new_mask), dim=2) & key_valid[:, None, :]
+    return positions, attn_mask, key_valid
+
+
 class SpecStreamModel(nn.Module):
     """A causal LM plus stream embeddings (and optional init/pruning adapters)."""
 
@@ -514,43 +538,20 @@ class SpecStreamModel(nn.Module):
         ``rows_read`` (``main_hidden`` is not computed there) and padding anchors' streams,
         whose attention runs per packed example over that example's keys only.
         """
-        b, t = input_ids.shape
         past = 0 if cache is None else cache[0][0].shape[2]
-        device = input_ids.device
-        if positions is None:
-            positions = torch.arange(past, past + t, device=device).expand(b, t)
-        if new_mask is None:
-            new_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
-        key_valid = torch.ones(b, past + t, dtype=torch.bool, device=device)
-        if attention_mask is not None:
-            key_valid[:, past:] = attention_mask.bool()
-        # Main: all cached keys, the allowed new keys (causal by default), no padding keys.
-        seen_past = torch.ones(b, t, past, dtype=torch.bool, device=device)
-        attn_mask = torch.cat((seen_past, new_mask), dim=2) & key_valid[:, None, :]
+        positions, attn_mask, key_valid = main_masks(
+            input_ids, past, attention_mask, positions, new_mask
+        )
         decoder = self.decoder
-        if hidden is None:
-            if start_layer != 0:
-                raise ValueError("start_layer > 0 needs the hidden state entering that layer")
-            h = decoder.embed_tokens(input_ids)
-        else:
-            if start_layer > min(self.first_msa_layer, self.prune_layer) or cache or use_cache:
-                raise ValueError(
-                    f"cannot resume at layer {start_layer}: above the first MSA layer "
-                    f"{self.first_msa_layer} or pruning layer {self.prune_layer}, or with a cache"
-                )
-            h = hidden
+        cached = cache is not None or use_cache
+        h = self._first_hidden(input_ids, hidden, start_layer, cached)
         cos, sin = decoder.rotary_emb(h, positions)
         main_grad = torch.is_grad_enabled() and self.main_trains()
         s = s_cos = s_sin = main_mask = prune_input = msa_input = None
         real_rows = last_rows = stream_rows = blocks = None
         if rows_read is not None:
-            if cache is not None or use_cache:
-                raise ValueError("rows_read is for training passes, without a cache")
             real = key_valid[:, past:]
-            real_rows, last_rows = RowSubset.of(real), RowSubset.of(rows_read & real)
-            if anchors is not None:
-                g = self.config.num_streams
-                stream_rows = RowSubset.of((anchors >= 0)[..., None].expand(-1, -1, g))
+            real_rows, last_rows, stream_rows = self._rows_read(real, rows_read, anchors, cached)
         last = len(decoder.layers) - 1
         new_cache: KVCache = []
         for i, layer in enumerate(decoder.layers):
@@ -566,34 +567,51 @@ class SpecStreamModel(nn.Module):
                 s, s_cos, s_sin, main_mask = self._enter_streams(h, anchors, positions, attn_mask)
                 if rows_read is not None:
                     blocks = attention_blocks(main_mask)
+            layer_cache = None if cache is None else cache[i]
+            out_rows = last_rows if i == last else real_rows
             with torch.set_grad_enabled(main_grad):
                 h, k, v = self._main_layer(
-                    layer,
-                    h,
-                    cos,
-                    sin,
-                    attn_mask,
-                    None if cache is None else cache[i],
-                    real_rows,
-                    last_rows if i == last else real_rows,
+                    layer, h, cos, sin, attn_mask, layer_cache, real_rows, out_rows
                 )
             if use_cache:
                 new_cache.append((k, v))
             if s is not None:
-                msa_index = i - self.first_msa_layer
+                j = i - self.first_msa_layer
                 s = self._stream_layer(
-                    layer, msa_index, s, s_cos, s_sin, k, v, main_mask, stream_rows, blocks
+                    layer, j, s, s_cos, s_sin, k, v, main_mask, stream_rows, blocks
                 )
-        norm = decoder.norm
         stopped = stop_layer is not None and stop_layer < len(decoder.layers)
-        return StreamOutput(
-            main_hidden=None if stopped else norm(h),
-            stream_hidden=None if s is None else norm(s),
-            anchors=anchors,
-            msa_input=msa_input,
-            prune_input=prune_input,
-            cache=new_cache if use_cache else None,
-        )
+        main_hidden = None if stopped else decoder.norm(h)
+        stream_hidden = None if s is None else decoder.norm(s)
+        cache_out = new_cache if use_cache else None
+        return StreamOutput(main_hidden, stream_hidden, anchors, msa_input, prune_input, cache_out)
+
+    def _first_hidden(
+        self, input_ids: Tensor, hidden: Tensor | None, start_layer: int, cached: bool
+    ) -> Tensor:
+        """The residual stream the pass starts from: the embeddings, or ``hidden`` entering
+        ``start_layer`` (not above L0 or the pruning layer, whose inputs come from it)."""
+        if hidden is None:
+            if start_layer != 0:
+                raise ValueError("start_layer > 0 needs the hidden state entering that layer")
+            return self.decoder.embed_tokens(input_ids)
+        if start_layer > min(self.first_msa_layer, self.prune_layer) or cached:
+            raise ValueError(
+                f"cannot resume at layer {start_layer}: above the first MSA layer "
+                f"{self.first_msa_layer} or pruning layer {self.prune_layer}, or with a cache"
+            )
+        return hidden
+
+    def _rows_read(self, real: Tensor, rows_read: Tensor, anchors: Tensor | None, cached: bool):
+        """The row subsets a training pass projects: real tokens, the last layer's read rows,
+        and the real anchors' stream rows (None without anchors)."""
+        if cached:
+            raise ValueError("rows_read is for training passes, without a cache")
+        stream_rows = None
+        if anchors is not None:
+            g = self.config.num_streams
+            stream_rows = RowSubset.of((anchors >= 0)[..., None].expand(-1, -1, g))
+        return RowSubset.of(real), RowSubset.of(rows_read & real), stream_rows
 
     def prune_logits(self, prune_input: Tensor) -> Tensor:
         """Early-exit logits of the pruning adapter: ``lm_head(norm(M + Bp(Ap(M))))``."""
