@@ -83,10 +83,10 @@ class StreamPass:
         #: Whether the next forward prunes its trees (the proposer's per-step choice).
         self.prune_trees = True
         self.placement, why = choose_placement(placement, eager, tree is not None)
-        if why.startswith("the default"):
+        if tree is not None:
+            logger.info("specstream %s", why)
+        elif placement is None:
             logger.info("specstream stream placement: %s (%s)", self.placement, why)
-        elif tree is not None and placement not in (None, "accepted"):
-            logger.info("specstream draft trees run the streams at the accepted node")
         self._eager = eager
         self._compiled = compiled
         self.layer_name = layer_name
