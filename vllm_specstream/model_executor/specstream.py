@@ -82,7 +82,10 @@ class SpecStreamMixin:
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         # vLLM's public EAGLE-3 hook: the decoder then also returns the residual stream
         # entering L0, which the streams start from.
-        self.set_aux_hidden_state_layers((self.first_msa_layer,))
+        super().set_aux_hidden_state_layers((self.first_msa_layer,))
+        #: Whether vLLM asked for auxiliary states itself (its ``eagle3`` method on this
+        #: checkpoint): the forward then returns them, as vLLM's runner unpacks them.
+        self.aux_for_vllm = False
         reserve_aux_slots(self)
         eager = vllm_config.model_config.enforce_eager
         tree = self._check_speculation(vllm_config)
@@ -151,6 +154,12 @@ class SpecStreamMixin:
             )
         return threshold
 
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """vLLM's EAGLE-3 hook, called by vLLM's runner for its ``eagle3`` method: the
+        decoder returns those layers' inputs and the forward hands them on."""
+        super().set_aux_hidden_state_layers(layers)
+        self.aux_for_vllm = True
+
     def adapter_stream_deployment(self) -> Deployment:
         """What each LoRA adapter's streams must fit (read where vLLM loads an adapter:
         :mod:`vllm_specstream.patches.lora_adapter_streams`)."""
@@ -216,7 +225,7 @@ class SpecStreamMixin:
                 out = self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         finally:
             streams = self.streams.finish_fused() if fused else None
-        if not isinstance(out, tuple):  # pipeline-parallel intermediate ranks
+        if not isinstance(out, tuple) or self.aux_for_vllm:  # PP intermediate ranks; eagle3
             return out
         hidden, aux = out
         if self.num_speculative_tokens > 0:
