@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from engine_child import run_child
@@ -173,6 +174,8 @@ print("RESULT " + json.dumps({
 }))
 """
 
+DEMO_ADAPTER = REPO / "examples" / "adapters" / "sql-smollm2-ss4"
+
 QUESTIONS = [
     "What is 2 + 2?",
     "Name a colour.",
@@ -185,30 +188,49 @@ QUESTIONS = [
 ]
 
 
-@pytest.mark.engine
-@pytest.mark.model
-def test_a_trained_drafter_serves_losslessly_with_vllms_eagle3_method(base_model_dir, tmp_path):
-    """A drafter trained for a few steps on the embedded model (`specstream train --objective
-    eagle3`), served by vLLM's eagle3 method: greedy outputs token-identical to plain
-    decoding of the same model, and drafts made."""
+def _trained_drafter(base: Path, tmp_path: Path) -> Path:
+    """A drafter trained for a few steps on ``base`` (`specstream train --objective eagle3`)."""
     for name, part in (("train", QUESTIONS[:6]), ("eval", QUESTIONS[6:])):
         rows = [{"prompt": q, "completion": "I do not know."} for q in part]
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "drafter"
     cmd = [venv_script("specstream"), "train", "--objective", "eagle3"]
-    cmd += ["--base", str(base_model_dir), "--out", str(out)]
+    cmd += ["--base", str(base), "--out", str(out)]
     cmd += ["--data", str(tmp_path / "train.jsonl"), "--eval-data", str(tmp_path / "eval.jsonl")]
     cmd += ["--steps", "2", "--batch-size", "2", "--max-length", "96", "--dtype", "fp32"]
     cmd += ["--draft-vocab-size", "1024", "--ttt-steps", "2", "--eval-every", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     assert (out / "model.safetensors").is_file()
+    return out
+
+
+def _serve_with_and_without(model: Path, drafter: Path) -> dict:
+    """Greedy outputs of ``model`` served plainly and with vLLM's eagle3 method."""
     prompts = ["The capital of France is", "def fibonacci(n):\n", QUESTIONS[3]]
     runs = {}
-    for name, drafter in (("plain", None), ("eagle3", str(out))):
-        args = {"base": str(base_model_dir), "drafter": drafter, "prompts": prompts}
+    for name, path in (("plain", None), ("eagle3", str(drafter))):
+        args = {"base": str(model), "drafter": path, "prompts": prompts}
         code = SERVE.replace("ARGS", repr({**args, "max_tokens": 24}))
         runs[name], _ = run_child("python", code=code, cwd=str(REPO / "tests"))
-    assert runs["eagle3"]["tokens"] == runs["plain"]["tokens"]
-    metrics = runs["eagle3"]["metrics"]
-    assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, metrics
+    return runs
+
+
+@pytest.mark.engine
+@pytest.mark.model
+def test_a_trained_drafter_serves_losslessly_with_vllms_eagle3_method(base_model_dir, tmp_path):
+    """A drafter trained for a few steps on the embedded model, served by vLLM's eagle3
+    method: greedy outputs token-identical to plain decoding of the same model, and drafts
+    made; the same on a merged specstream checkpoint of that model (its streams idle: the
+    model hands vLLM the auxiliary states vLLM asks for)."""
+    import torch
+
+    from vllm_specstream.training.checkpoint import export_merged
+
+    drafter = _trained_drafter(base_model_dir, tmp_path)
+    merged = export_merged(DEMO_ADAPTER, tmp_path / "merged", dtype=torch.float32)
+    for model in (base_model_dir, merged):
+        runs = _serve_with_and_without(model, drafter)
+        assert runs["eagle3"]["tokens"] == runs["plain"]["tokens"], model
+        metrics = runs["eagle3"]["metrics"]
+        assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, (model, metrics)
