@@ -128,24 +128,25 @@ def check_setup(
         return  # no stream tensors of its own to check
     if speculating and config.stream_lora_rank and lora_enabled:
         raise ConfigError(f"{config_file}: {STREAM_LORA_WITH_LORA}")
-    if (
-        speculating
-        and num_speculative_tokens
-        and settings.suffix_drafts is not None
-        and not settings.suffix_from_checkpoint
-    ):
-        suffix_cache_class()  # raises, naming the field, where arctic-inference is missing
-    if speculating and num_speculative_tokens and settings.trees:
-        draft_tree_of(settings, config.num_streams)  # raises on a size the tree cannot fill
-    elif speculating and num_speculative_tokens and num_speculative_tokens > config.num_streams:
-        g = config.num_streams
-        raise ConfigError(
-            f"num_speculative_tokens={num_speculative_tokens} exceeds the checkpoint's "
-            f"num_streams={g} ({config_file}: specstream.num_streams); ask for at most {g} "
-            f"drafts: --spec-tokens {g}, or speculative_config({g})"
-        )
+    if speculating and num_speculative_tokens:
+        _check_drafts(num_speculative_tokens, settings, config.num_streams, config_file)
     if local and str(load_format) in SAFETENSORS_LOAD_FORMATS:
         check_stream_tensors(model_dir, config, hf_config)
+
+
+def _check_drafts(k: int, settings: EngineSettings, num_streams: int, config_file: str) -> None:
+    """What a speculating engine's drafts need: arctic-inference for suffix drafts the user
+    asked for, a tree that fills ``k`` nodes, or at most ``num_streams`` chain drafts."""
+    if settings.suffix_drafts is not None and not settings.suffix_from_checkpoint:
+        suffix_cache_class()  # raises, naming the field, where arctic-inference is missing
+    if settings.trees:
+        draft_tree_of(settings, num_streams)  # raises on a size the tree cannot fill
+    elif k > num_streams:
+        raise ConfigError(
+            f"num_speculative_tokens={k} exceeds the checkpoint's num_streams={num_streams} "
+            f"({config_file}: specstream.num_streams); ask for at most {num_streams} drafts: "
+            f"--spec-tokens {num_streams}, or speculative_config({num_streams})"
+        )
 
 
 def serves_specstream(architectures, spec_method: str | None, spec_model: str | None) -> bool:
