@@ -77,7 +77,6 @@ class StreamPass:
         self.num_speculative_tokens = num_speculative_tokens
         self.num_streams = model.spec_config.num_streams
         self.head = head
-        self.draft_min_prob = head.draft_min_prob
         self.tree = tree
         self.prune_threshold = prune_threshold
         #: Whether the next forward prunes its trees (the proposer's per-step choice).
@@ -110,6 +109,11 @@ class StreamPass:
         #: ``(stash, anchors, stream states [R, A, G, h])`` waiting for the main logits
         #: (fused pass).
         self._pending: tuple | None = None
+
+    @property
+    def draft_min_prob(self) -> float:
+        """The confidence rule's threshold (field ``draft_min_prob``; 0: off)."""
+        return self.head.draft_min_prob
 
     def runner(self) -> StreamRunner:
         """The stream pass over the model's MSA layers (built at first use: after the
