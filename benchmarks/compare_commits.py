@@ -5,10 +5,11 @@ Plain vLLM, a second plain engine (the noise floor), ``specstream`` from this tr
 /tmp/ref COMMIT``: its engine runs with that checkout first on ``PYTHONPATH``) decode the same
 prompts, the methods' order alternating from round to round; speedups are the median of the
 per-round ratios to plain (``specstream bench``'s summary); ``--also ngram`` adds other
-methods of ``specstream bench``. Every engine runs vLLM's default compilation, with both cores
-(``VLLM_CPU_OMP_THREADS_BIND=nobind``) or, with ``--omp-threads-bind default``, vLLM's own
-binding as a user gets it (where that leaves a speculating engine one thread, the plugin gives
-it both cores; plain engines keep one).
+methods of ``specstream bench`` (``--also eagle3 --eagle3 DRAFTER``: vLLM's EAGLE-3). Every
+engine runs vLLM's default compilation, with both cores (``VLLM_CPU_OMP_THREADS_BIND=nobind``)
+or, with ``--omp-threads-bind default``, vLLM's own binding as a user gets it (where that
+leaves a speculating engine one thread, the plugin gives it both cores; plain engines keep
+one).
 
     .venv/bin/python benchmarks/compare_commits.py CKPT --ref-tree /tmp/ref --task e2e \\
         --data ../shared/data/e2e/devset.csv [-n 16] [--batch-sizes 1,4,16] [--rounds 3]
@@ -60,6 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--also", default="", help="more methods of specstream bench, e.g. ngram")
+    ap.add_argument("--eagle3", help="an EAGLE-3 drafter for the checkpoint (--also eagle3)")
     ap.add_argument(
         "--omp-threads-bind",
         default="nobind",
@@ -85,6 +87,7 @@ def main() -> None:
         rounds=args.rounds,
         omp_threads_bind=bind,
         engine_options={"enforce_eager": False},
+        eagle3=args.eagle3,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

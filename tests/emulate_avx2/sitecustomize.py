@@ -5,15 +5,18 @@ CPU-flag probes deny AVX-512 and AMX (``EMULATE_CPU_CLASS=avx512``: deny only AV
 AMX, an AVX-512 CPU without native bf16). vLLM picks its kernel library (``_C_AVX2``,
 ``_C_AVX512``), attention and small-GEMM paths from these probes, and the plugin its
 stream-pass precision; ``ATEN_CPU_CAPABILITY`` (PyTorch's kernels and TorchInductor's vector
-width) and ``ONEDNN_MAX_CPU_ISA`` (oneDNN) cap the rest."""
+width) and ``ONEDNN_MAX_CPU_ISA`` (oneDNN) cap the rest, and this module caps PyTorch's fbgemm
+(the int8 stream pass) with ``FBGEMM_ENABLE_INSTRUCTIONS``, read at its first call."""
 
 import os
 
 import torch.cpu
 
 _DENIED = ["_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"]
-if os.environ.get("EMULATE_CPU_CLASS", "avx2") == "avx2":
+_AVX2 = os.environ.get("EMULATE_CPU_CLASS", "avx2") == "avx2"
+if _AVX2:
     _DENIED += ["_is_avx512_supported", "_is_avx512_vnni_supported"]
+os.environ.setdefault("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2" if _AVX2 else "AVX512")
 for _probe in _DENIED:
     if hasattr(torch.cpu, _probe):
         setattr(torch.cpu, _probe, lambda: False)

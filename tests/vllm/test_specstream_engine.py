@@ -150,7 +150,8 @@ def runs(request, tiny_merged, tmp_path_factory):
             engine,
             requests,
             env=INSPECT_ENV,
-            fields=TREE_FIELDS,
+            # the tree's stream pass through the int8 copies (every x86 CPU has them)
+            fields=TREE_FIELDS | {"stream_dtype": "int8"},
             trees=True,
         )
         if p == "tree"
@@ -238,6 +239,7 @@ def test_small_kv_cache_preempts(runs, request):
         ("window-draft-vocab", "model"),
         ("accepted", "model"),
         ("accepted", "bfloat16"),
+        ("accepted", "int8"),
     ],
 )
 def test_stream_drafts_equal_the_training_implementation(request, placement, stream_dtype):
@@ -245,7 +247,7 @@ def test_stream_drafts_equal_the_training_implementation(request, placement, str
     training wrapper on the same checkpoint, at every anchor of the last forward: the
     prefill's last token (max_tokens=1) and a decode window with rejected drafts (9); with
     placement "accepted" the one anchor is the last accepted token. With the stream pass in
-    bf16 (field ``stream_dtype``) the drafts may differ where the top-2 logits are
+    bf16 or int8 (field ``stream_dtype``) the drafts may differ where the top-2 logits are
     close: at least 80% agree; on a CPU without a bf16 GEMM the engine says it falls back
     and the drafts are exact. The same engine checks a user's batch-size schedule: with 2
     drafts per request only streams 1-2 run (and equal streams 1-2 of all), none at batch
@@ -274,10 +276,12 @@ def test_stream_drafts_equal_the_training_implementation(request, placement, str
     # A window of 4 anchors x 3 streams rides along the main rows, but not to a draft head.
     windows = [p["stash"] for p in result["probes"] if p["max_tokens"] == 9]
     assert all(s["deferred"] == deferred for s in windows), windows
-    packed = stream_dtype == "bfloat16" and bf16_gemm_available()
+    packed = stream_dtype == "int8" or (stream_dtype == "bfloat16" and bf16_gemm_available())
     if stream_dtype == "bfloat16":
-        said = "stream pass in bf16" if packed else "bfloat16 cannot be honoured"
+        said = "stream pass in bfloat16" if packed else "bfloat16 cannot be honoured"
         assert said in log, log[-4000:]
+    if stream_dtype == "int8":
+        assert "stream pass in int8" in log, log[-4000:]
     # The user's schedule, read by the proposer as vLLM reads it: 32 requests together draft
     # nothing (the engine may run its first steps before all 32 requests have arrived, and
     # those may draft), one request alone drafts.

@@ -1,15 +1,18 @@
-"""The stream pass's bf16 matmuls: vLLM's oneDNN GEMM ops still behave as the plugin uses
-them, and the choice between bf16 copies and vLLM's modules follows the rules."""
+"""The stream pass's bf16 and int8 matmuls: vLLM's oneDNN GEMM ops and PyTorch's fbgemm ones
+still behave as the plugin uses them, and the choice between the copies and vLLM's modules
+follows the rules."""
 
 import pytest
 import torch
 
 from vllm_specstream.model_executor.stream_weights import (
+    Int8Linear,
     PackedLinear,
     bf16_gemm_available,
     build_stream_weights,
+    copies_for,
+    int8_gemm_available,
     onednn_available,
-    packed_reason,
 )
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="vLLM without oneDNN GEMM")
@@ -48,26 +51,62 @@ def test_packed_linear_matches_fp32_linear_and_owns_its_copy(bias):
     torch.testing.assert_close(lin(x), got)
 
 
-def test_packed_reason_rules(monkeypatch):
+def test_copies_rules(monkeypatch):
     import vllm_specstream.model_executor.stream_weights as sw
 
     monkeypatch.setattr(sw, "onednn_available", lambda: True)
     monkeypatch.setattr(sw, "bf16_gemm_available", lambda: True)
+    monkeypatch.setattr(sw, "int8_gemm_available", lambda: True)
     monkeypatch.setattr(sw, "native_bf16", lambda cls=None: True)
     f32, bf16 = torch.float32, torch.bfloat16
-    assert packed_reason("auto", True, f32, 1) is None
-    assert "model" in packed_reason("model", True, f32, 1)
-    assert "CPU" in packed_reason("auto", False, f32, 1)
-    assert "tensor parallel" in packed_reason("bfloat16", True, f32, 2)
-    assert "bfloat16" in packed_reason("auto", True, bf16, 1)
-    assert packed_reason("bfloat16", True, bf16, 1) is None  # forced: no dtype rule
+
+    def kind(*args):
+        return copies_for(*args)[0]
+
+    assert kind("auto", True, f32, 1) == "bfloat16"
+    assert kind("int8", True, f32, 1) == "int8"
+    assert "model" in copies_for("model", True, f32, 1)[1]
+    assert "CPU" in copies_for("auto", False, f32, 1)[1]
+    assert "tensor parallel" in copies_for("int8", True, f32, 2)[1]
+    assert "bfloat16" in copies_for("auto", True, bf16, 1)[1]
+    assert kind("bfloat16", True, bf16, 1) == "bfloat16"  # forced: no dtype rule
+    assert kind("int8", True, bf16, 1) == "int8"
     monkeypatch.setattr(sw, "native_bf16", lambda cls=None: False)
-    assert "native bf16" in packed_reason("auto", True, f32, 1)
-    assert packed_reason("bfloat16", True, f32, 1) is None
+    assert copies_for("auto", True, f32, 1) == ("int8", "no native bf16 here")
+    assert kind("auto", True, bf16, 1) is None
+    assert kind("bfloat16", True, f32, 1) == "bfloat16"
     monkeypatch.setattr(sw, "bf16_gemm_available", lambda: False)
-    assert "no bf16 GEMM" in packed_reason("bfloat16", True, f32, 1)
+    assert "no bf16 GEMM" in copies_for("bfloat16", True, f32, 1)[1]
     monkeypatch.setattr(sw, "onednn_available", lambda: False)
-    assert "oneDNN" in packed_reason("bfloat16", True, f32, 1)
+    assert "oneDNN" in copies_for("bfloat16", True, f32, 1)[1]
+    assert kind("int8", True, f32, 1) == "int8"  # PyTorch's kernels, not vLLM's
+    monkeypatch.setattr(sw, "int8_gemm_available", lambda: False)
+    assert "fbgemm" in copies_for("int8", True, f32, 1)[1]
+    assert kind("auto", True, f32, 1) is None
+
+
+@pytest.mark.skipif(not int8_gemm_available(), reason="PyTorch without fbgemm")
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_close_to_fp32_eagerly_and_compiled(bias):
+    """The int8 copy computes the projection to ~1-2% of its largest output, keeps its
+    own packed weights, and one compiled graph serves copies of every layer (the packed
+    weights stand behind a key tensor, a graph input)."""
+    torch.manual_seed(0)
+    weights = [torch.randn(96, 64) * 0.1 for _ in range(3)]
+    b = torch.randn(96) if bias else None
+    lins = [Int8Linear(w, b) for w in weights]
+    compiled = torch.compile(lambda lin, x: lin(x), dynamic=True)
+    for n in (1, 4):
+        x = torch.randn(n, 64)
+        for lin, w in zip(lins, weights):
+            want = torch.nn.functional.linear(x, w, b)
+            got = lin(x)
+            assert got.dtype == torch.float32 and got.shape == (n, 96)
+            assert (got - want).abs().max() < 0.05 * want.abs().max()
+            torch.testing.assert_close(compiled(lin, x), got)
+    weights[0].zero_()  # the copy is its own
+    x = torch.randn(2, 64)
+    assert lins[0](x).abs().max() > 0.1
 
 
 def test_forced_bf16_falls_back_with_one_warning_where_it_cannot_run(monkeypatch, caplog):

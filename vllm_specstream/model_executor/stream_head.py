@@ -95,8 +95,8 @@ class StreamHead:
                 why,
             )
             return
-        packed = self.weights is not None and self.weights.lm_head is not None
-        self.draft_head = draft_head(weight[ids], packed, is_cpu)
+        copies = self.weights.dtype if self.weights is not None else None
+        self.draft_head = draft_head(weight[ids], copies, is_cpu)
         self.draft_ids = ids
         logger.info(
             "specstream streams draft from the checkpoint's draft vocabulary: %d of %d tokens",

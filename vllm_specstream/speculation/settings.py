@@ -47,7 +47,7 @@ KEY = "specstream"
 SETTINGS_KEY = "specstream_settings"
 #: Where the streams run (:mod:`vllm_specstream.model_executor.specstream`).
 PLACEMENTS = ("window", "accepted")
-STREAM_DTYPE_MODES = ("auto", "model", "bfloat16")
+STREAM_DTYPE_MODES = ("auto", "model", "bfloat16", "int8")
 SCHEDULE_OPTION = "num_speculative_tokens_per_batch_size"
 
 #: Per-engine variables of earlier releases and the field that replaces each.
@@ -159,7 +159,7 @@ class EngineSettings:
     ``accepted`` (streams at the last accepted position only); None: the model's default
     (window where the decoder runs eagerly, else accepted)."""
     stream_dtype: str = user_field("auto", f"one of {list(STREAM_DTYPE_MODES)}", stream_dtype_from)
-    """The stream pass's matmuls: ``auto``, ``model`` or ``bfloat16``
+    """The stream pass's matmuls: ``auto``, ``model``, ``bfloat16`` or ``int8``
     (:mod:`vllm_specstream.model_executor.stream_weights`)."""
     tree_top_k: tuple[int, ...] | None = user_field(
         None,

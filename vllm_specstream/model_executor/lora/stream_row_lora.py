@@ -177,4 +177,4 @@ class StreamLoRAWeights:
             )
             for i, mm in enumerate(weights.layers)
         ]
-        return StreamWeights(layers, weights.lm_head)
+        return StreamWeights(layers, weights.lm_head, dtype=weights.dtype)

@@ -227,7 +227,9 @@ class StreamLoRA:
                     )
                 )
             )
-        return StreamWeights(out, packed.lm_head if packed is not None else None)
+        if packed is None:
+            return StreamWeights(out)
+        return StreamWeights(out, packed.lm_head, dtype=packed.dtype)
 
     def _with_delta(self, module: nn.Module, base: Matmul, index: int, stage: str) -> Matmul:
         if is_row_parallel(module):  # the partial delta before the all-reduce
