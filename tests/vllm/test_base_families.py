@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_base
 from engine_child import run_child
-from test_lora_serving import INSPECT, assert_drafts_are_the_training_models
+from test_lora_serving import INSPECT, SAME_DRAFTS, assert_drafts_are_the_training_models
 from test_specstream_engine import ENGINES, make_requests
 
 from vllm_specstream.checkpoint.config import SpecStreamConfig
@@ -130,6 +130,7 @@ def test_adapter_drafts_with_its_own_streams_on_a_base_deployment(family):
         "max_loras": 1,
         "max_lora_rank": plan.max_lora_rank,
         "hf_overrides": plan.overrides(),
+        "fields": SAME_DRAFTS,
     }
     prompt = make_requests(1, seed=2)[0]["prompt"]
     requests = [
@@ -182,7 +183,7 @@ def test_a_fine_tune_given_as_a_peft_lora_gets_streams_and_keeps_its_outputs(
         "lora_stash",
         ckpt=str(merged),
         k=3,
-        engine={"max_model_len": 512},
+        engine={"max_model_len": 512, "fields": SAME_DRAFTS},
         requests=[{"prompt": p, "max_tokens": 9} for p in prompts],
         env=INSPECT,
     )[0]

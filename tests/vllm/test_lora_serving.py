@@ -96,6 +96,10 @@ def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, t
 
 #: ``LLM.apply_model`` (the stash snapshot) sends a function to the engine process.
 INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+#: Runs whose drafts must equal the training implementation's exactly compute them in the
+#: served fp32 (the default stream pass runs bf16 or int8 copies, whose drafts differ now
+#: and then).
+SAME_DRAFTS = {"stream_dtype": "model"}
 
 
 def _deployment(base, adapters) -> dict:
@@ -132,7 +136,12 @@ def test_each_adapter_drafts_with_its_own_streams_on_a_base_deployment(
     mixed = _mixed_adapter_requests(adapters)[:3]  # adapter 1, none, adapter 2
     requests = [{**r, "max_tokens": 9} for r in mixed]
     served = run_child(
-        "lora_stash", ckpt=str(base), k=3, engine=engine, requests=requests, env=INSPECT
+        "lora_stash",
+        ckpt=str(base),
+        k=3,
+        engine={**engine, "fields": SAME_DRAFTS},
+        requests=requests,
+        env=INSPECT,
     )[0]
     for got, want in zip(served, plain_deployment_outputs["tokens"]):
         assert got["tokens"][0] == want[:9]
