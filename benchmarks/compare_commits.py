@@ -69,6 +69,13 @@ def main() -> None:
     )
     ap.add_argument("--out", default="runs/compare-commits")
     args = ap.parse_args()
+    for name in ("checkpoint", "ref_tree", "data", "eagle3", "out"):
+        if getattr(args, name):
+            setattr(args, name, str(Path(getattr(args, name)).resolve()))
+    # The engines' processes start with `python -m` in the working directory, which goes on
+    # their import path first: from a checkout that would shadow --ref-tree's package.
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    os.chdir(args.out)
     methods = (*METHODS[:2], *(m for m in args.also.split(",") if m), *METHODS[2:])
     bind = None if args.omp_threads_bind == "default" else args.omp_threads_bind
     if not (Path(args.ref_tree) / "vllm_specstream").is_dir():
