@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+#: The committed E2E adapter and the EAGLE-3 drafter trained for it.
+E2E_ADAPTER = REPO / "examples" / "adapters" / "e2e-smollm2-ss4"
+E2E_EAGLE3 = REPO / "examples" / "eagle3" / "e2e-smollm2-ss4"
 
 
 def load_benchmark(name: str, register: bool = False):
@@ -99,3 +102,22 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free TCP port below the ephemeral range")
+
+
+def meaning_representations(n: int, seed: int = 0) -> list[str]:
+    """E2E-style restaurant descriptions, made up here (no dataset rows)."""
+    rng = random.Random(seed)
+    names = ["The Copper Kettle", "Blue Heron", "The Lantern", "Saffron Court", "Green Man"]
+    fields = [
+        ("eatType", ["pub", "restaurant", "coffee shop"]),
+        ("food", ["Italian", "French", "Chinese", "English", "Indian", "Japanese"]),
+        ("priceRange", ["cheap", "moderate", "high", "less than £20"]),
+        ("area", ["riverside", "city centre"]),
+        ("familyFriendly", ["yes", "no"]),
+    ]
+    out = []
+    for _ in range(n):
+        parts = [f"name[{rng.choice(names)}]"]
+        parts += [f"{k}[{rng.choice(v)}]" for k, v in fields[: rng.randint(2, len(fields))]]
+        out.append(", ".join(parts))
+    return out

@@ -1,5 +1,6 @@
-"""EAGLE-3 drafters in vLLM 0.32: its loader takes every weight we write, and a drafter
-trained by `specstream train --objective eagle3` serves losslessly with vLLM's eagle3 method."""
+"""EAGLE-3 drafters in vLLM 0.32: its loader takes every weight we write, a drafter trained
+by `specstream train --objective eagle3` serves losslessly with vLLM's eagle3 method, and the
+committed E2E drafter (the results' peer baseline) does on its adapter merged."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from engine_child import run_child
-from helpers import REPO, run_python, venv_script
+from helpers import E2E_ADAPTER, E2E_EAGLE3, REPO, meaning_representations, run_python, venv_script
 
 #: Builds vLLM's own ``Eagle3LlamaForCausalLM`` (no engine) for a tiny target and drafters we
 #: save, fills its parameters with NaN, loads the drafter's file with vLLM's ``load_weights``
@@ -163,7 +164,7 @@ args = ARGS
 engine = {"max_model_len": 512, "disable_log_stats": False}
 if args["drafter"]:
     engine["speculative_config"] = {
-        "method": "eagle3", "model": args["drafter"], "num_speculative_tokens": 3,
+        "method": "eagle3", "model": args["drafter"], "num_speculative_tokens": args["k"],
     }
 llm = _llm(args["base"], **engine)
 params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"])
@@ -173,8 +174,6 @@ print("RESULT " + json.dumps({
     "metrics": _metrics(llm, "spec_decode"),
 }))
 """
-
-DEMO_ADAPTER = REPO / "examples" / "adapters" / "sql-smollm2-ss4"
 
 QUESTIONS = [
     "What is 2 + 2?",
@@ -205,15 +204,19 @@ def _trained_drafter(base: Path, tmp_path: Path) -> Path:
     return out
 
 
-def _serve_with_and_without(model: Path, drafter: Path) -> dict:
+def _serve_with_and_without(model: Path, drafter: Path, prompts: list[str], k: int = 3) -> dict:
     """Greedy outputs of ``model`` served plainly and with vLLM's eagle3 method."""
-    prompts = ["The capital of France is", "def fibonacci(n):\n", QUESTIONS[3]]
     runs = {}
     for name, path in (("plain", None), ("eagle3", str(drafter))):
-        args = {"base": str(model), "drafter": path, "prompts": prompts}
-        code = SERVE.replace("ARGS", repr({**args, "max_tokens": 24}))
+        args = {"base": str(model), "drafter": path, "prompts": prompts, "k": k}
+        code = SERVE.replace("ARGS", repr({**args, "max_tokens": 48}))
         runs[name], _ = run_child("python", code=code, cwd=str(REPO / "tests"))
     return runs
+
+
+def _tokens_per_step(metrics: dict) -> float:
+    drafts = metrics.get("vllm:spec_decode_num_drafts", 0)
+    return 1 + metrics.get("vllm:spec_decode_num_accepted_tokens", 0) / max(drafts, 1)
 
 
 @pytest.mark.engine
@@ -221,16 +224,35 @@ def _serve_with_and_without(model: Path, drafter: Path) -> dict:
 def test_a_trained_drafter_serves_losslessly_with_vllms_eagle3_method(base_model_dir, tmp_path):
     """A drafter trained for a few steps on the embedded model, served by vLLM's eagle3
     method: greedy outputs token-identical to plain decoding of the same model, and drafts
-    made; the same on a merged specstream checkpoint of that model (its streams idle: the
-    model hands vLLM the auxiliary states vLLM asks for)."""
+    made."""
+    drafter = _trained_drafter(base_model_dir, tmp_path)
+    prompts = ["The capital of France is", "def fibonacci(n):\n", QUESTIONS[3]]
+    runs = _serve_with_and_without(base_model_dir, drafter, prompts)
+    assert runs["eagle3"]["tokens"] == runs["plain"]["tokens"]
+    assert runs["eagle3"]["metrics"].get("vllm:spec_decode_num_drafts", 0) > 0, runs["eagle3"]
+
+
+@pytest.mark.engine
+@pytest.mark.model
+def test_the_committed_e2e_drafter_serves_its_adapter_losslessly(tmp_path):
+    """The committed EAGLE-3 drafter of the E2E adapter (the peer baseline of the results),
+    served by vLLM's eagle3 method on that adapter merged (its streams idle: the model hands
+    vLLM the auxiliary states vLLM asks for): greedy outputs equal plain decoding's, and the
+    trained drafter's drafts are accepted (tokens per step well above chance)."""
     import torch
+    from transformers import AutoTokenizer
 
     from vllm_specstream.training.checkpoint import export_merged
+    from vllm_specstream.training.data import prompt_text
+    from vllm_specstream.training.tasks.public import e2e_prompt
 
-    drafter = _trained_drafter(base_model_dir, tmp_path)
-    merged = export_merged(DEMO_ADAPTER, tmp_path / "merged", dtype=torch.float32)
-    for model in (base_model_dir, merged):
-        runs = _serve_with_and_without(model, drafter)
-        assert runs["eagle3"]["tokens"] == runs["plain"]["tokens"], model
-        metrics = runs["eagle3"]["metrics"]
-        assert metrics.get("vllm:spec_decode_num_drafts", 0) > 0, (model, metrics)
+    merged = export_merged(E2E_ADAPTER, tmp_path / "merged", dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(merged)
+    prompts = [
+        prompt_text(tok, [{"role": "user", "content": e2e_prompt(mr)}])
+        for mr in meaning_representations(6, seed=1)
+    ]
+    runs = _serve_with_and_without(merged, E2E_EAGLE3, prompts, k=4)
+    assert runs["eagle3"]["tokens"] == runs["plain"]["tokens"]
+    # made-up MRs (no dataset rows): 2.5 tokens per step here, 4.5 on the development file
+    assert _tokens_per_step(runs["eagle3"]["metrics"]) > 2.0, runs["eagle3"]["metrics"]

@@ -3,17 +3,14 @@ the accepted path's keys/values where vLLM keeps them, acceptance as the referen
 on the same adapter, a window engine's chains as the adaptive policy drafts them. (Trees with chunked prefill, preemption and a short ``max_model_len``: the "tree" runs of
 ``test_specstream_engine.py``.)"""
 
-import random
-from pathlib import Path
-
 import pytest
+from helpers import E2E_ADAPTER, meaning_representations
 from test_specstream_engine import run_engine
 
 from vllm_specstream.speculation.settings import SCHEDULE_OPTION as SCHEDULE
 
 pytestmark = [pytest.mark.engine, pytest.mark.model]
 
-E2E_ADAPTER = Path(__file__).parents[2] / "examples" / "adapters" / "e2e-smollm2-ss4"
 #: Two candidates per stream, 8 nodes: the top-1 chain of 4 and the 4 likeliest others.
 TOP_K, NODES = 2, 8
 TREES = {"tree_top_k": TOP_K}
@@ -28,25 +25,6 @@ SAME_DRAFTS = {"stream_dtype": "model"}
 #: Early-exit pruning (the adapter's trained pruning head) at a threshold that prunes some
 #: nodes of most trees and keeps others.
 PRUNE = 0.01
-
-
-def meaning_representations(n: int, seed: int = 0) -> list[str]:
-    """E2E-style restaurant descriptions, made up here (no dataset rows)."""
-    rng = random.Random(seed)
-    names = ["The Copper Kettle", "Blue Heron", "The Lantern", "Saffron Court", "Green Man"]
-    fields = [
-        ("eatType", ["pub", "restaurant", "coffee shop"]),
-        ("food", ["Italian", "French", "Chinese", "English", "Indian", "Japanese"]),
-        ("priceRange", ["cheap", "moderate", "high", "less than £20"]),
-        ("area", ["riverside", "city centre"]),
-        ("familyFriendly", ["yes", "no"]),
-    ]
-    out = []
-    for _ in range(n):
-        parts = [f"name[{rng.choice(names)}]"]
-        parts += [f"{k}[{rng.choice(v)}]" for k, v in fields[: rng.randint(2, len(fields))]]
-        out.append(", ".join(parts))
-    return out
 
 
 @pytest.fixture(scope="module")
