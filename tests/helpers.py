@@ -14,6 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 #: The committed E2E adapter and the EAGLE-3 drafter trained for it.
 E2E_ADAPTER = REPO / "examples" / "adapters" / "e2e-smollm2-ss4"
 E2E_EAGLE3 = REPO / "examples" / "eagle3" / "e2e-smollm2-ss4"
+#: Engine fields of runs whose drafts are compared with the training implementation's (or
+#: the reference decoder's): the stream pass in the served fp32, as those compute it (the
+#: default runs bf16 or int8 copies, whose drafts differ from fp32 ones now and then).
+SAME_DRAFTS = {"stream_dtype": "model"}
 
 
 def load_benchmark(name: str, register: bool = False):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import make_tiny_base
 from engine_child import run_child
-from test_lora_serving import INSPECT, SAME_DRAFTS, assert_drafts_are_the_training_models
+from helpers import SAME_DRAFTS
+from test_lora_serving import INSPECT, assert_drafts_are_the_training_models
 from test_specstream_engine import ENGINES, make_requests
 
 from vllm_specstream.checkpoint.config import SpecStreamConfig

@@ -2,6 +2,7 @@
 
 import pytest
 from engine_child import run_child
+from helpers import SAME_DRAFTS
 from test_specstream_engine import _stash_rows_and_training_drafts
 
 from vllm_specstream.training.checkpoint import load_merged
@@ -96,10 +97,6 @@ def test_specstream_under_multi_lora_is_lossless_in_mixed_batches(tiny_merged, t
 
 #: ``LLM.apply_model`` (the stash snapshot) sends a function to the engine process.
 INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-#: Runs whose drafts must equal the training implementation's exactly compute them in the
-#: served fp32 (the default stream pass runs bf16 or int8 copies, whose drafts differ now
-#: and then).
-SAME_DRAFTS = {"stream_dtype": "model"}
 
 
 def _deployment(base, adapters) -> dict:

@@ -6,6 +6,7 @@ import os
 
 import pytest
 from engine_child import run_child
+from helpers import SAME_DRAFTS
 from test_lora_serving import _deployment
 from test_specstream_engine import _stash_rows_and_training_drafts, make_requests
 
@@ -14,8 +15,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.model]
 
 #: ``LLM.apply_model`` (the stash snapshot) sends a function to the engine process.
 INSPECT = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-#: Drafts in the served dtype, as the training implementation computes them.
-SAME_DRAFTS = {"stream_dtype": "model"}
 REQUESTS = [{"prompt": r["prompt"], "max_tokens": 16} for r in make_requests(3, seed=1)]
 #: The CLI's replies engine with a KV cache of 1 GiB: vLLM's automatic size (a share of the
 #: machine's memory) fails at start-up while other tests' engines hold memory.

@@ -4,7 +4,7 @@ on the same adapter, a window engine's chains as the adaptive policy drafts them
 ``test_specstream_engine.py``.)"""
 
 import pytest
-from helpers import E2E_ADAPTER, meaning_representations
+from helpers import E2E_ADAPTER, SAME_DRAFTS, meaning_representations
 from test_specstream_engine import run_engine
 
 from vllm_specstream.speculation.settings import SCHEDULE_OPTION as SCHEDULE
@@ -16,12 +16,10 @@ TOP_K, NODES = 2, 8
 TREES = {"tree_top_k": TOP_K}
 #: The tests read the worker's tree counters (``LLM.apply_model``).
 INSPECT_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-#: The runs whose acceptance is compared with the reference decoder's compute their drafts
-#: in the served fp32, as the reference does: on a CPU with native bf16 the default stream
-#: pass uses bf16 weight copies, whose drafts differ from fp32 ones now and then (on an
-#: Intel AMX CPU +5.6% tokens per step over these 6 requests; in fp32 every request's equal).
-#: The "widths" run keeps the default, so bf16 stream passes stay under the lossless check.
-SAME_DRAFTS = {"stream_dtype": "model"}
+# The runs whose acceptance is compared with the reference decoder's compute their drafts
+# in the served fp32 (SAME_DRAFTS): with bf16 copies an Intel AMX CPU read +5.6% tokens per
+# step over these 6 requests; in fp32 every request's equal. The "widths" run keeps the
+# default, so the bf16 or int8 stream pass stays under the lossless check.
 #: Early-exit pruning (the adapter's trained pruning head) at a threshold that prunes some
 #: nodes of most trees and keeps others.
 PRUNE = 0.01
