@@ -232,8 +232,15 @@ def kill_worker_node(cluster, worker_node, url: str, handle, infos: dict) -> dic
         in_flight = [f.result() for f in pending]
     after = [outcome(url, r, 240) for r in make_requests(4)]
     survivor_now = replica_infos(handle, 1, tries=8)
-    app = serve.status().applications[APP]
-    deployment = app.deployments[handle.deployment_name]
+    # The controller notices the dead replica at its next health check (every 10 s), later
+    # than the router stops sending to it.
+    deadline = time.monotonic() + 90
+    while True:
+        deployment = serve.status().applications[APP].deployments[handle.deployment_name]
+        states = {str(k): v for k, v in deployment.replica_states.items()}
+        if states.get("RUNNING") != 2 or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     return {
         "in_flight": in_flight,
         "after_kill": after,
@@ -241,7 +248,7 @@ def kill_worker_node(cluster, worker_node, url: str, handle, infos: dict) -> dic
         "survivor_after": survivor_now.get(survivor["replica_id"]),
         "replicas_after": list(survivor_now),
         "deployment_status": str(deployment.status),
-        "replica_states": {str(k): v for k, v in deployment.replica_states.items()},
+        "replica_states": states,
     }
 
 
