@@ -197,17 +197,21 @@ def main() -> None:
     drafts = {"plain": 0}
     if args.control:
         engines["control"], drafts["control"] = LLM(model=args.checkpoint, **kw), 0
+    # The plugin's own fields go to additional_config, vLLM's to speculative_config.
+    spec_kw = dict(kw)
+    if args.placement:
+        spec_kw["additional_config"] = {"specstream": {"placement": args.placement}}
     for k in ks:
-        spec = speculative_config(k, placement=args.placement, adaptive=False)
-        engines[f"k{k}"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+        spec = speculative_config(k, adaptive=False)
+        engines[f"k{k}"] = LLM(model=args.checkpoint, speculative_config=spec, **spec_kw)
         drafts[f"k{k}"] = k
         for name, setting in variants.items():
-            llm = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+            llm = LLM(model=args.checkpoint, speculative_config=spec, **spec_kw)
             llm.apply_model(setting)
             engines[f"k{k}-{name}"], drafts[f"k{k}-{name}"] = llm, k
     if args.idle:
-        spec = speculative_config(max(ks), placement=args.placement)
-        engines["idle"] = LLM(model=args.checkpoint, speculative_config=spec, **kw)
+        spec = speculative_config(max(ks))
+        engines["idle"] = LLM(model=args.checkpoint, speculative_config=spec, **spec_kw)
         drafts["idle"] = 0
         proposers[-1].policy.margin = float("inf")  # nothing pays: the policy drafts nothing
 
