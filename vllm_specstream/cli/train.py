@@ -55,6 +55,26 @@ def _train_task(args: argparse.Namespace) -> str | None:
     return args.task if args.data or args.task in TASKS else None
 
 
+def _flag_error(args: argparse.Namespace, task: str | None) -> str | None:
+    """What is wrong with the flags of ``specstream train`` (None: nothing)."""
+    if task is None and not args.data:
+        return f"--task {args.task} needs --data FILE"
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        return f"--max-minutes {args.max_minutes}: must be > 0"
+    if args.lora_lr is not None and not args.lora_lr >= 0:
+        return f"--lora-lr {args.lora_lr}: must be >= 0"
+    if args.sql_rename_copies and not (args.data and task == "sql"):
+        return (
+            "--sql-rename-copies needs --task sql --data FILE (records with a CREATE TABLE context)"
+        )
+    if not (args.sql_rename_copies >= 0 and 0.0 <= args.sql_rename_rate <= 1.0):
+        return (
+            "--sql-rename-copies must be >= 0 and --sql-rename-rate in [0, 1], got "
+            f"{args.sql_rename_copies} and {args.sql_rename_rate}"
+        )
+    return None
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from vllm_specstream.checkpoint.config import LossConfig, PruneConfig, SpecStreamConfig
     from vllm_specstream.training.args import TrainArgs
@@ -64,17 +84,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from vllm_specstream.training.train import train
 
     task = _train_task(args)
-    if task is None and not args.data:
-        print(f"specstream train: error: --task {args.task} needs --data FILE", file=sys.stderr)
-        return 2
-    if args.max_minutes is not None and not args.max_minutes > 0:
-        print(
-            f"specstream train: error: --max-minutes {args.max_minutes}: must be > 0",
-            file=sys.stderr,
-        )
-        return 2
-    if args.lora_lr is not None and not args.lora_lr >= 0:
-        print(f"specstream train: error: --lora-lr {args.lora_lr}: must be >= 0", file=sys.stderr)
+    error = _flag_error(args, task)
+    if error:
+        print(f"specstream train: error: {error}", file=sys.stderr)
         return 2
     # The split settings only mean something for a task file.
     split = (
@@ -82,20 +94,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.data and task in PUBLIC_TASKS
         else {}
     )
-    if args.sql_rename_copies and not (args.data and task == "sql"):
-        print(
-            "specstream train: error: --sql-rename-copies needs --task sql --data FILE "
-            "(records with a CREATE TABLE context)",
-            file=sys.stderr,
-        )
-        return 2
-    if not (args.sql_rename_copies >= 0 and 0.0 <= args.sql_rename_rate <= 1.0):
-        print(
-            "specstream train: error: --sql-rename-copies must be >= 0 and --sql-rename-rate "
-            f"in [0, 1], got {args.sql_rename_copies} and {args.sql_rename_rate}",
-            file=sys.stderr,
-        )
-        return 2
     base = args.base
     if base is None:
         from vllm_specstream.base_model import prepare_base
