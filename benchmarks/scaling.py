@@ -15,7 +15,8 @@ accept as well, which random weights cannot tell.
     .venv/bin/python benchmarks/scaling.py [--sizes smollm2-135m,smollm2-360m,llama-3.2-1b,smollm2-1.7b]
         [--k 4] [--tokens-per-step 4.07] [-n 8] [--data E2E_DEV_CSV] [--out runs/scaling]
 
-Writes OUT/NAME/CLASS.json (step_cost's report) per size, OUT/scaling.json, OUT/scaling.md
+Writes OUT/NAME/CLASS.json (step_cost's report) per size (a size whose report is there
+already is not timed again: a run that stopped goes on where it stopped), OUT/scaling.json, OUT/scaling.md
 and OUT/scaling.png. Checkpoints stay in OUT/ckpt-NAME (delete them when done: 0.5-7 GB each).
 """
 
@@ -30,6 +31,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: step_cost.py's KV cache per engine.
+KV_CACHE_BYTES = 1 << 30
 
 #: Shapes of the models users serve (their published configs; all Llama-architecture, tied
 #: embeddings, head_dim 64).
@@ -112,10 +115,13 @@ def make_checkpoint(name: str, out: Path) -> Path:
 
 
 def fits_control(name: str) -> bool:
-    """Whether three fp32 engines of ``name`` (plain, control, specstream) fit in memory."""
+    """Whether three fp32 engines of ``name`` (plain, control, specstream), each with its KV
+    cache, fit in memory beside one more copy of the weights while the last one loads."""
     import psutil
 
-    return 3 * 4 * parameters(SHAPES[name]) < 0.6 * psutil.virtual_memory().total
+    weights = 4 * parameters(SHAPES[name])
+    need = 3 * (weights + KV_CACHE_BYTES) + weights
+    return need < 0.8 * psutil.virtual_memory().total
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -124,17 +130,20 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r["parameters"] / 1e9 for r in rows]
+    sizes = range(len(rows))  # evenly spaced: 1B and 1.7B would overlap on a log axis
+    labels = [f"{r['size']}\n{r['parameters'] / 1e9:.2f}B" for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     a.plot(sizes, [r["plain_ms"] for r in rows], "o-", label="plain")
     a.plot(sizes, [r["spec_ms"] for r in rows], "s-", label=f"specstream, k={rows[0]['k']}")
-    a.set(xlabel="parameters (billions)", ylabel="ms per step (median)", xscale="log")
-    a.legend()
+    a.set(ylabel="ms per step (median)")
     b.plot(sizes, [r["cost"] for r in rows], "s-", label="step cost (plain steps)")
     b.plot(sizes, [r["projected_speedup"] for r in rows], "o-", label="projected speedup")
     b.axhline(1.0, color="grey", lw=0.8)
-    b.set(xlabel="parameters (billions)", xscale="log")
-    b.legend()
+    b.set_ylim(bottom=0)
+    for ax in (a, b):
+        ax.set_xticks(sizes, labels, fontsize=8)
+        ax.set_xlabel("model shape (random weights)")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -173,15 +182,20 @@ def main() -> None:
     for name in args.sizes.split(","):
         if name not in SHAPES:
             sys.exit(f"--sizes: unknown size {name!r}; choose from {', '.join(SHAPES)}")
-        ckpt = make_checkpoint(name, out / f"ckpt-{name}")
-        cmd = [
-            sys.executable, str(HERE / "step_cost.py"), str(ckpt), "--ks", str(args.k),
-            "--batch-sizes", "1", "-n", str(args.n), "--max-tokens", str(args.max_tokens),
-            *prompts, "--out", str(out / name),
-        ] + (["--control"] if fits_control(name) else [])  # fmt: skip
-        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-        subprocess.run(cmd, env=env, check=True)
-        report = json.loads(next((out / name).glob("*.json")).read_text())
+        reports = sorted((out / name).glob("*.json"))
+        if not reports:
+            ckpt = make_checkpoint(name, out / f"ckpt-{name}")
+            cmd = [
+                sys.executable, str(HERE / "step_cost.py"), str(ckpt), "--ks", str(args.k),
+                "--batch-sizes", "1", "-n", str(args.n), "--max-tokens", str(args.max_tokens),
+                *prompts, "--out", str(out / name),
+            ] + (["--control"] if fits_control(name) else [])  # fmt: skip
+            print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, env=env, check=True)
+            reports = sorted((out / name).glob("*.json"))
+        else:
+            print(f"== {name}: reusing {reports[0]} (delete {out / name} to time it again)")
+        report = json.loads(reports[0].read_text())
         cost = report["ratios"][f"k{args.k}"][0]
         rows.append(
             {
