@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from vllm_specstream import PROPOSER
 from vllm_specstream.checkpoint.config import ConfigError, SpecStreamConfig
-from vllm_specstream.patches.engine_config_check import check_settings
+from vllm_specstream.patches.engine_config_check import check_settings, last_rank_start_of
 from vllm_specstream.speculation.preflight import check_platform, check_setup
 
 HIDDEN = 8
@@ -75,6 +75,7 @@ def check(
         lora_enabled=lora,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        last_rank_start=last_rank_start_of(SimpleNamespace(**config), pp),
         settings=settings,
     )
 
@@ -355,12 +356,23 @@ def test_draft_trees_need_a_tree_that_fills_the_drafts(tmp_path):
         check(ckpt, k=20, tree_top_k=2)
 
 
-def test_speculation_under_pipeline_parallelism_is_refused_before_the_engine_starts(tmp_path):
-    ckpt = make_checkpoint(tmp_path)
-    with pytest.raises(ConfigError, match="pipeline_parallel_size 1 only, got 2: serve this"):
+def test_pipeline_parallelism_speculates_with_chains_when_the_last_rank_holds_the_msa_layers(
+    tmp_path, monkeypatch
+):
+    ckpt = make_checkpoint(tmp_path)  # 4 layers, the top 2 MSA: the last of 2 ranks holds 2-3
+    check(ckpt, k=2, pp=2)
+    check(ckpt, k=None, pp=2)  # and serves plainly
+    with pytest.raises(ConfigError, match=r"draft trees .* pipeline_parallel_size 1 only, got 2"):
+        check(ckpt, k=5, pp=2, tree_top_k=2)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
+    with pytest.raises(
+        ConfigError,
+        match=r"config.json: specstream.num_msa_layers=2 puts the MSA layers at 2-3, but at "
+        r"pipeline_parallel_size 2 the last rank holds layers 3-3.*VLLM_PP_LAYER_PARTITION, "
+        r"e.g. 2,2\)",
+    ):
         check(ckpt, k=2, pp=2)
-    check(ckpt, k=None, pp=2)  # the checkpoint itself serves plainly
-    check(ckpt, k=2, tp=2)
+    check(ckpt, k=None, pp=2)  # plain serving splits the layers as it likes
 
 
 def test_a_retired_proposer_class_is_refused_naming_its_placement(tmp_path):

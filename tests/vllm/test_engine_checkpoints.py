@@ -222,15 +222,17 @@ def test_prompt_lookup_and_streams_at_tensor_parallel_3_equal_plain_decoding(
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > metrics["vllm:spec_decode_num_drafts"]
 
 
-def test_pipeline_parallel_2_serves_the_checkpoint_plainly(tiny_merged, monkeypatch):
+def test_pipeline_parallel_2_speculates_as_plain_decoding(demo, demo_runs, monkeypatch):
     """PP 2 (multiprocessing executor, compiled: vLLM 0.32's CPU runner makes the pipeline's
-    receiving buffers only when it warms up a compiled model): the residual stream entering
-    the MSA layers crosses the ranks in the intermediate tensors; greedy output equals one
-    rank's. Speculation there is refused before the engine starts (test_preflight.py)."""
-    requests = make_requests(8, seed=4)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    compiled = {"enforce_eager": False}
-    pp2 = compiled | {"pipeline_parallel_size": 2, "kv_cache_memory_bytes": 64 << 20}  # per rank
-    single = run_engine(tiny_merged, 0, compiled, requests)
-    plain_pp2 = run_engine(tiny_merged, 0, pp2, requests)
-    assert plain_pp2["tokens"] == single["tokens"]
+    receiving buffers only when it warms up a compiled model), the trained demo checkpoint's
+    8 MSA layers on the second rank: the residual stream entering them crosses the ranks in
+    the intermediate tensors, the second rank drafts, one batch is in flight
+    (``patches/pipeline_speculation.py``). Greedy output equals one rank's plain decoding,
+    with drafts accepted."""
+    ckpt, requests = demo
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    pp2 = {"enforce_eager": False, "pipeline_parallel_size": 2, "kv_cache_memory_bytes": 256 << 20}
+    spec_pp2 = run_engine(ckpt, 4, pp2, requests)
+    assert spec_pp2["tokens"] == demo_runs[0]["tokens"]
+    metrics = spec_pp2["metrics"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > metrics["vllm:spec_decode_num_drafts"]

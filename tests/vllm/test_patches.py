@@ -4,6 +4,7 @@ import importlib.metadata as md
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from engine_child import run_python
@@ -279,7 +280,6 @@ def test_amx_cap_patch_is_applied_by_register(cap):
 
 
 def test_spec_alias_resolution():
-    from types import SimpleNamespace
 
     from vllm_specstream import PROPOSER
     from vllm_specstream.patches.spec_alias import resolve_alias
@@ -676,3 +676,49 @@ def test_vllms_ngram_matcher_still_drafts_what_followed_the_longest_match():
     assert match(tokens, 2, 2, 64, 2).tolist() == [5, 6]  # the earliest occurrence
     assert match(tokens, 4, 4, 64, 3).tolist() == []
     assert match(tokens, 3, 3, 16, 3).tolist() == [5]  # stops at the model's length
+
+
+@needs_cpu_wheel
+def test_pipeline_speculation_touch_points_still_fit_vllm():
+    # Fails when vLLM changes what the pipeline fix relies on: the engine keeps
+    # ``max_concurrent_batches`` batches in flight and takes drafts after every step that
+    # ran a model, the runner makes its drafter on the last rank only and reads it in its
+    # attention metadata; and the patch is applied in a specstream engine's processes.
+    out = run_python(
+        "import inspect\n"
+        "from vllm.config import VllmConfig\n"
+        "from vllm.v1.engine.core import EngineCore\n"
+        "from vllm.v1.worker import cpu_model_runner as c, gpu_model_runner as g\n"
+        "print('batch_queue_size = vllm_config.max_concurrent_batches'\n"
+        "      in inspect.getsource(EngineCore.__init__))\n"
+        "post = inspect.getsource(EngineCore.post_step)\n"
+        "print('not self.async_scheduling and model_executed' in post)\n"
+        "init = inspect.getsource(g.GPUModelRunner.__init__)\n"
+        "meta = inspect.getsource(g.GPUModelRunner._build_attention_metadata)\n"
+        "print('if self.speculative_config and get_pp_group().is_last_rank:' in init,\n"
+        "      'self.drafter,' in meta)\n"
+        "from vllm_specstream.patches.registration import register\n"
+        "register()\n"
+        "print(getattr(VllmConfig.max_concurrent_batches.fget, '__specstream_pp__', False),\n"
+        "      getattr(c.CPUModelRunner.load_model, '__specstream_pp__', False))\n",
+        env=IN_SPECSTREAM_ENGINE,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-4:] == ["True", "True", "True True", "True True"]
+
+
+@pytest.mark.parametrize(
+    ("pp", "async_scheduling", "speculating", "expected"),
+    [(2, False, True, 1), (2, False, False, 2), (2, True, True, 2), (1, False, True, 1)],
+)
+def test_a_speculating_pipeline_keeps_one_batch_in_flight(
+    pp, async_scheduling, speculating, expected
+):
+    from vllm_specstream.patches.pipeline_speculation import batches_in_flight
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        speculative_config=object() if speculating else None,
+    )
+    assert batches_in_flight(config, pp) == expected

@@ -7,8 +7,9 @@ pipeline's intermediate tensors under vLLM's ``aux_hidden_states_<i>`` keys. vLL
 model runner (every CPU engine's) makes the receiving buffers with the model's
 ``make_empty_intermediate_tensors``, which lists only ``hidden_states`` and ``residual``: the
 decoder then fails with ``Missing aux_hidden_states_0 from PP intermediate tensors``, even
-without speculation. (vLLM's V2 runner reserves the slots itself.) Speculation under
-pipeline parallelism is refused before the engine starts (``SPECULATION_PP_ERROR``).
+without speculation. (vLLM's V2 runner reserves the slots itself.) The streams run on the
+last rank, which must hold every MSA layer (``speculation/preflight.py`` checks the split);
+the runner's own gaps under speculation: ``patches/pipeline_speculation.py``.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ def check_vllm_config(vllm_config) -> None:
 
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
+    pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
     settings = check_settings(vllm_config) if _serves_specstream(vllm_config) else None
     check_setup(
         model=model_config.model,
@@ -43,13 +44,23 @@ def check_vllm_config(vllm_config) -> None:
         tensor_parallel_size=getattr(
             getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
         ),
-        pipeline_parallel_size=getattr(
-            getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1
-        ),
+        pipeline_parallel_size=pp,
+        last_rank_start=last_rank_start_of(model_config.hf_config, pp),
         settings=settings,
     )
     if settings is not None and settings.num_speculative_tokens and current_platform.is_cpu():
         _bind_worker_threads(vllm_config)
+
+
+def last_rank_start_of(hf_config, pp: int) -> int:
+    """The first layer of the last of ``pp`` pipeline ranks, as vLLM splits the layers
+    (``VLLM_PP_LAYER_PARTITION`` included)."""
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if pp <= 1 or not layers:
+        return 0
+    from vllm.distributed.utils import get_pp_indices
+
+    return get_pp_indices(layers, pp - 1, pp)[0]
 
 
 def check_settings(vllm_config, environ=None):

@@ -44,6 +44,7 @@ def apply_engine_patches(vllm_version: str) -> None:
         from vllm_specstream.patches.cpu_lora_linear import CPU_LORA_LINEAR
         from vllm_specstream.patches.cpu_lora_ops import CPU_LORA_OPS
         from vllm_specstream.patches.onednn_amx_cap import ONEDNN_AMX_CAP, capped_below_amx
+        from vllm_specstream.patches.pipeline_speculation import PIPELINE_SPECULATION
 
         apply_patch(EXPAND_KERNEL, vllm_version)
         apply_patch(CPU_KERNEL_REGISTRATION, vllm_version)
@@ -52,6 +53,7 @@ def apply_engine_patches(vllm_version: str) -> None:
             logger.debug("ONEDNN_MAX_CPU_ISA=%s keeps oneDNN off AMX: so are vLLM's kernels", cap)
         apply_patch(CPU_LORA_OPS, vllm_version)
         apply_patch(CPU_LORA_LINEAR, vllm_version)
+        apply_patch(PIPELINE_SPECULATION, vllm_version)
     # The runner patches of draft trees and suffix drafts are applied by the proposer that
     # asks for them: they depend on the engine's config, which registration does not see.
 

@@ -59,13 +59,23 @@ STREAM_LORA_WITH_LORA = (
     "served with LoRA adapters (--enable-lora): serve it without --enable-lora"
 )
 
-#: Under pipeline parallelism the checkpoint serves plainly (the streams' input crosses the
-#: ranks: model_executor/pipeline.py), but drafting there has not shown token identity with
-#: plain decoding yet: refused rather than served with other outputs.
-SPECULATION_PP_ERROR = (
-    "specstream speculation runs with pipeline_parallel_size 1 only, got {pp}: serve this "
-    "checkpoint at -pp {pp} without --spec-model (it serves plainly), or speculate with "
-    "tensor parallelism (-tp) instead"
+#: Under pipeline parallelism the streams run on the last rank, beside the main keys and
+#: values of the MSA layers they attend to; tree rows would need their masks on every rank.
+PP_MSA_SPAN_ERROR = (
+    "{config_file}: specstream.num_msa_layers={msa} puts the MSA layers at {first}-{last}, but "
+    "at pipeline_parallel_size {pp} the last rank holds layers {start}-{last}: the streams "
+    "attend to the main keys and values of every MSA layer and run on the last rank only; "
+    "give the last rank at least {msa} layers (VLLM_PP_LAYER_PARTITION, e.g. {partition}), or "
+    "speculate with tensor parallelism (-tp) instead"
+)
+PP_TREES_ERROR = (
+    "draft trees (specstream.tree_top_k) run with pipeline_parallel_size 1 only, got {pp}: "
+    "the tree rows' attention is set up on the last rank, which holds the proposer; "
+    "speculate with chains at -pp {pp} (leave tree_top_k unset) or with trees at -tp"
+)
+PP_ADAPTER_STREAMS_ERROR = (
+    "{config_file}: per-adapter streams under multi-LoRA run with pipeline_parallel_size 1 "
+    "only, got {pp}: serve the adapters at -tp instead, or a merged checkpoint at -pp"
 )
 
 #: A base served for adapters has no streams of its own: without LoRA nothing drafts.
@@ -92,11 +102,13 @@ def check_setup(
     lora_enabled: bool = False,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    last_rank_start: int = 0,
     settings: EngineSettings | None = None,
 ) -> None:
     """Raise :class:`ConfigError` naming the file, field or flag and the fix, if this
     engine config cannot serve: ``model`` is vLLM's model path, ``hf_config`` its parsed
     ``config.json``, ``spec_*`` the resolved speculative config (None without one),
+    ``last_rank_start`` the first layer of the last pipeline rank (vLLM's split),
     ``settings`` the engine's settings
     (:func:`~vllm_specstream.patches.engine_config_check.check_settings`; None: the defaults).
     The fields themselves were validated when they were resolved."""
@@ -106,8 +118,6 @@ def check_setup(
     settings = settings or EngineSettings(num_speculative_tokens=num_speculative_tokens or 0)
     if speculating:
         check_platform(platform)
-        if num_speculative_tokens and pipeline_parallel_size > 1:
-            raise ConfigError(SPECULATION_PP_ERROR.format(pp=pipeline_parallel_size))
     model_dir = Path(model)
     local = model_dir.is_dir()
     config_file = f"{model_dir / 'config.json'}" if local else f"{model} config.json"
@@ -122,7 +132,12 @@ def check_setup(
             )
         return
     config = read_specstream_section(hf_config, where=config_file)
+    pipelined = speculating and bool(num_speculative_tokens) and pipeline_parallel_size > 1
     if adapter_streams_only(hf_config, where=config_file):
+        if pipelined:
+            raise ConfigError(
+                PP_ADAPTER_STREAMS_ERROR.format(config_file=config_file, pp=pipeline_parallel_size)
+            )
         if speculating and not lora_enabled:
             raise ConfigError(ADAPTER_STREAMS_NEED_LORA.format(where=config_file))
         return  # no stream tensors of its own to check
@@ -130,6 +145,10 @@ def check_setup(
         raise ConfigError(f"{config_file}: {STREAM_LORA_WITH_LORA}")
     if speculating and num_speculative_tokens:
         _check_drafts(num_speculative_tokens, settings, config.num_streams, config_file)
+    if pipelined:
+        _check_pipeline(
+            pipeline_parallel_size, last_rank_start, settings, config, hf_config, config_file
+        )
     if local and str(load_format) in SAFETENSORS_LOAD_FORMATS:
         check_stream_tensors(model_dir, config, hf_config)
 
@@ -146,6 +165,30 @@ def _check_drafts(k: int, settings: EngineSettings, num_streams: int, config_fil
             f"num_speculative_tokens={k} exceeds the checkpoint's num_streams={num_streams} "
             f"({config_file}: specstream.num_streams); ask for at most {num_streams} drafts: "
             f"--spec-tokens {num_streams}, or speculative_config({num_streams})"
+        )
+
+
+def _check_pipeline(
+    pp: int, start: int, settings: EngineSettings, config, hf_config, config_file: str
+) -> None:
+    """Speculation at ``pp`` pipeline ranks, the last holding the layers from ``start`` on:
+    chains, with every MSA layer on the last rank."""
+    if settings.trees:
+        raise ConfigError(PP_TREES_ERROR.format(pp=pp))
+    layers = hf_config.num_hidden_layers
+    first = layers - config.num_msa_layers
+    if first < start:  # the layers below the MSA layers, spread over the other ranks:
+        partition = ",".join(str(first // (pp - 1) + (i < first % (pp - 1))) for i in range(pp - 1))
+        raise ConfigError(
+            PP_MSA_SPAN_ERROR.format(
+                config_file=config_file,
+                msa=config.num_msa_layers,
+                first=first,
+                last=layers - 1,
+                pp=pp,
+                start=start,
+                partition=f"{partition},{config.num_msa_layers}",
+            )
         )
 
 
