@@ -311,6 +311,8 @@ def test_a_base_served_for_adapters_needs_lora_and_no_stream_tensors(tmp_path):
     check(ckpt, k=None)  # served without speculation: nothing to draft with, nothing to check
     with pytest.raises(ConfigError, match="adapter_streams_only.*--enable-lora"):
         check(ckpt, lora=False)
+    with pytest.raises(ConfigError, match="per-adapter streams .* pipeline_parallel_size 1 only"):
+        check(ckpt, lora=True, pp=2)
 
 
 def test_lora_under_tensor_parallelism_passes_and_streams_only_limits(tmp_path):
