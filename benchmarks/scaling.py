@@ -16,8 +16,8 @@ accept as well, which random weights cannot tell.
         [--k 4] [--tokens-per-step 4.07] [-n 8] [--data E2E_DEV_CSV] [--out runs/scaling]
 
 Writes OUT/NAME/CLASS.json (step_cost's report) per size (a size whose report is there
-already is not timed again: a run that stopped goes on where it stopped), OUT/scaling.json, OUT/scaling.md
-and OUT/scaling.png. Checkpoints stay in OUT/ckpt-NAME (delete them when done: 0.5-7 GB each).
+already is not timed again: a run that stopped goes on where it stopped), OUT/scaling.json,
+OUT/scaling.md and OUT/scaling.png. Checkpoints stay in OUT/ckpt-NAME (delete them when done: 0.5-7 GB each).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def check_vllm_config(vllm_config) -> None:
 
     model_config = vllm_config.model_config
     spec = vllm_config.speculative_config
-    pp = getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    pp = getattr(parallel, "pipeline_parallel_size", 1)
     settings = check_settings(vllm_config) if _serves_specstream(vllm_config) else None
     check_setup(
         model=model_config.model,
@@ -41,9 +42,7 @@ def check_vllm_config(vllm_config) -> None:
         platform=current_platform,
         load_format=vllm_config.load_config.load_format,
         lora_enabled=getattr(vllm_config, "lora_config", None) is not None,
-        tensor_parallel_size=getattr(
-            getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1
-        ),
+        tensor_parallel_size=getattr(parallel, "tensor_parallel_size", 1),
         pipeline_parallel_size=pp,
         last_rank_start=last_rank_start_of(model_config.hf_config, pp),
         settings=settings,
