@@ -149,7 +149,7 @@ class StreamRunner:
         self.params = params
         self.config = config
         layers = model.model.layers
-        self.first_msa_layer = len(layers) - config.num_msa_layers
+        self.first_msa_layer = config.first_msa_layer(len(layers))
         self.layers = list(layers)[self.first_msa_layer :]
         # Under vLLM multi-LoRA, each stream row gets its own request's adapter delta.
         lora_module = first_lora_module(self.layers)

@@ -176,7 +176,7 @@ def _check_pipeline(
     if settings.trees:
         raise ConfigError(PP_TREES_ERROR.format(pp=pp))
     layers = hf_config.num_hidden_layers
-    first = layers - config.num_msa_layers
+    first = config.first_msa_layer(layers)
     if first < start:  # the layers below the MSA layers, spread over the other ranks:
         partition = ",".join(str(first // (pp - 1) + (i < first % (pp - 1))) for i in range(pp - 1))
         raise ConfigError(
