@@ -147,9 +147,11 @@ def cpu_seconds() -> dict[str, float]:
             name, times = proc.name(), proc.cpu_times()
         except psutil.Error:  # ended meanwhile
             continue
-        kind = {"VLLM::EngineCor": "engine_core", "VLLM::Worker": "worker"}.get(
-            name[:15], "serving"
-        )
+        kind = (
+            "engine_core" if name.startswith("VLLM::EngineCor")  # the kernel's 15 characters
+            else "worker" if name.startswith("VLLM::Worker")
+            else "serving"
+        )  # fmt: skip
         totals[kind] += times.user + times.system
     return totals
 
@@ -204,8 +206,8 @@ def run_tp(job: dict) -> dict:
 
 
 def _decode_steps(llm) -> int:
-    """Tokens vLLM's spec-decode metrics count as verified steps (drafting engines), else 0:
-    per request, a step gives 1 + accepted tokens."""
+    """Request steps that verified drafts so far (vLLM's spec-decode metric; 0 where nothing
+    drafts): output tokens over them are the tokens per step."""
     from vllm.v1.metrics.reader import Counter
 
     for metric in llm.get_metrics():
