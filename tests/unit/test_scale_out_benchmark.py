@@ -50,7 +50,7 @@ def test_load_sends_each_prompt_once_with_the_clients_in_flight_and_counts_their
     assert Stub.most_in_flight == 4
     assert out["texts"] == [" ".join(p.split()[::-1][:3]) for p in prompts]  # prompt order
     assert out["output_tokens"] == sum(min(3, i % 5 + 1) for i in range(20))
-    assert abs(out["requests_per_s"] * out["wall_s"] - 20) < 0.5
+    assert out["wall_s"] >= 0.1  # 20 requests of 20 ms, 4 at a time
 
 
 def test_the_table_gives_each_deployment_against_one_plain_replica():
