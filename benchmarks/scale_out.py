@@ -41,14 +41,6 @@ MODEL_ID = "specstream"
 TP_SHAPE = "llama-3.2-1b"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def complete(url: str, prompt: str, max_tokens: int, timeout: float = 900) -> dict:
     """One greedy completion over HTTP: its text, output tokens and seconds."""
     import urllib.request
@@ -96,6 +88,7 @@ def run_replicas(job: dict) -> dict:
     under the load; in its own process."""
     import ray
     from ray import serve
+    from soak import free_port
 
     from vllm_specstream.ray.serve import (
         SpecStreamServeConfig,
