@@ -58,7 +58,9 @@ CPU_CLASSES = ("avx2", "avx512_bf16")
 
 def runs(*avx512_bf16: str) -> tuple[tuple[str, str], ...]:
     """Each class's runs of a task: AVX2's eager ``avx2/bench.json``; on AVX512-BF16 the
-    compiled batch-1 runs ``avx512_bf16/<run>/bench.json`` (vLLM's default mode)."""
+    compiled batch-1 runs ``avx512_bf16/<run>/bench.json`` (vLLM's default mode), the newest
+    first: the run beside vLLM's ``eagle3`` gives the rows it has (plain, a second plain
+    engine, EAGLE-3, specstream as served), earlier runs the other methods."""
     return (("avx2", "avx2/bench.json"),) + tuple(
         ("avx512_bf16", f"avx512_bf16/{run}/bench.json") for run in avx512_bf16
     )
@@ -73,7 +75,7 @@ TASKS = (
         "SQL (Spider, unseen database)",
         ("exact_match",),
         3.57,
-        runs("compiled-b1-compiled-pass", "compiled-b1-compiled-pass-suffix"),
+        runs("eagle3-b1", "compiled-b1-compiled-pass", "compiled-b1-compiled-pass-suffix"),
         EVALS,
     ),
     Task(
@@ -81,7 +83,7 @@ TASKS = (
         "E2E NLG (unseen MRs)",
         ("rouge1", "rougeLsum"),
         3.72,
-        runs("compiled-b1-compiled-pass"),
+        runs("eagle3-b1", "compiled-b1-compiled-pass"),
         EVALS,
     ),
     Task(
@@ -89,7 +91,7 @@ TASKS = (
         "DialogSum (unseen dialogues)",
         ("rouge1", "rougeLsum"),
         2.62,
-        runs("compiled-b1-compiled-pass", "compiled-b1-all"),
+        runs("eagle3-b1", "compiled-b1-compiled-pass", "compiled-b1-all"),
         EVALS,
     ),
 )
@@ -115,7 +117,7 @@ def _metric(evaluation: dict | None, task: Task) -> str:
 
 def _row(task: Task, method: str, metric: str = "-", **measured) -> dict:
     """One table row; the measurements a row lacks are None (shown as "-")."""
-    keys = ("speedup", "decode_speedup", "cr_ratio", "tokens_per_step", "extra_params")
+    keys = ("speedup", "decode_speedup", "cr_ratio", "tokens_per_step", "extra_params", "run")
     return {"task": task.title, "method": method, "metric": metric} | {
         key: measured.get(key) for key in keys
     }
@@ -132,7 +134,7 @@ def task_rows(task: Task, results: Path, cpu_class: str = CPU_CLASSES[0]) -> lis
     for run in runs:
         for row in (_read(here / run) or {}).get("rows", []):
             if row["temperature"] == 0 and row["batch_size"] == 1:
-                by_method.setdefault(row["method"], row)
+                by_method.setdefault(row["method"], row | {"run": Path(run).parent.name})
     # The evaluations of the adapter the bench ran: beside its (first) bench.json, else where
     # the served adapter's are, else the task's (each directory read once: they may coincide).
     dirs = tuple(dict.fromkeys((here / Path(runs[0]).parent, here / task.evals, here)))
@@ -149,6 +151,7 @@ def task_rows(task: Task, results: Path, cpu_class: str = CPU_CLASSES[0]) -> lis
             cr_ratio=row["cr_ratio"],
             tokens_per_step=row["tokens_per_step"],
             extra_params=row["extra_params"],
+            run=row["run"],
         )
         for method in METHODS
         if (row := by_method.get(method)) is not None
@@ -189,8 +192,8 @@ def _cell(value, fmt: str) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| task | method | speedup b1 | decoding-only speedup b1 | CR ratio | tokens per step | "
-        "metric | extra params |",
-        "|---|---|---|---|---|---|---|---|",
+        "metric | extra params | run (speedups against its plain engine) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -198,7 +201,7 @@ def markdown(rows: list[dict]) -> str:
             f"{'x' if r['speedup'] is not None else ''} | {_cell(r['decode_speedup'], '.2f')}"
             f"{'x' if r['decode_speedup'] is not None else ''} | {_cell(r['cr_ratio'], '.2f')} | "
             f"{_cell(r['tokens_per_step'], '.2f')} | {r['metric']} | "
-            f"{_cell(r['extra_params'], ',')} |"
+            f"{_cell(r['extra_params'], ',')} | {r['run'] or '-'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -108,6 +108,11 @@ def test_a_second_run_adds_the_methods_the_first_lacks(table1, tmp_path):
     _write(tmp_path / "sql" / "a" / "bench.json", {"rows": first})
     _write(tmp_path / "sql" / "b" / "bench.json", {"rows": second})
 
-    got = {r["method"]: r["speedup"] for r in table1.task_rows(task, tmp_path, "avx512_bf16")}
+    rows = table1.task_rows(task, tmp_path, "avx512_bf16")
+    got = {r["method"]: r["speedup"] for r in rows}
 
     assert got["specstream"] == 1.5 and got["specstream-suffix"] == 1.9
+    # each row names the run whose plain engine its speedup is against
+    lines = table1.markdown(rows).splitlines()
+    assert next(line for line in lines if "| specstream |" in line).endswith("| a |")
+    assert next(line for line in lines if "| specstream-suffix |" in line).endswith("| b |")
