@@ -94,6 +94,41 @@ def task_prompts_cycled(ckpt: str, task: str, data: str | None, split: str, need
     return [prompt_text(tok, m) for m in messages]
 
 
+def profiled_ranges() -> list[tuple[object, str, str]]:
+    """``(object, attribute, label)`` of the plugin's pieces timed as ranges of their own."""
+    from vllm_specstream.model_executor import specstream as ss
+    from vllm_specstream.model_executor import stream_forward as sf
+    from vllm_specstream.model_executor.proposer import SpecStreamProposer
+    from vllm_specstream.model_executor.stream_head import StreamHead
+    from vllm_specstream.model_executor.stream_pass import StreamPass
+    from vllm_specstream.model_executor.trees import attention as ta
+    from vllm_specstream.model_executor.trees import model_forward as tf
+    from vllm_specstream.model_executor.trees import sampler as ts
+
+    return [
+        (ss.SpecStreamMixin, "forward", "model.forward (main + hook)"),
+        (StreamPass, "_run_streams", "streams: total"),
+        (sf.StreamRunner, "__call__", "streams: layers"),
+        (StreamHead, "project", "streams: LM head at the anchors"),
+        (ss.SpecStreamLlamaForCausalLM, "compute_logits", "compute_logits (main + streams)"),
+        (SpecStreamProposer, "propose", "proposer.propose"),
+        # draft trees (field tree_top_k): node rows redone per layer, acceptance and KV
+        # moves, early-exit pruning
+        (ta, "redo_tree_rows", "trees: node rows redone (all layers)"),
+        (ts.TreeRejectionSampler, "forward", "trees: sampler (accept + KV move)"),
+        (tf, "_prune", "trees: pruning head"),
+    ]
+
+
+def json_field(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--field``: VALUE as JSON where it parses, else the string."""
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("ckpt")
@@ -144,6 +179,14 @@ def main() -> None:
         help="serve CKPT (a base) with this LoRA adapter (repeatable)",
     )
     ap.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine field of additional_config['specstream'] (repeatable; VALUE as JSON "
+        "where it parses), e.g. stream_dtype=int8",
+    )
+    ap.add_argument(
         "--prefill",
         action="store_true",
         help="the steps that prefilled a prompt instead of the decode steps (time to first "
@@ -156,26 +199,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_specstream import speculative_config
-    from vllm_specstream.model_executor import specstream as ss
-    from vllm_specstream.model_executor import stream_forward as sf
-    from vllm_specstream.model_executor.proposer import SpecStreamProposer
     from vllm_specstream.patches.cpu_env import cpu_engine_kwargs
 
-    wrap(ss.SpecStreamMixin, "forward", "model.forward (main + hook)")
-    wrap(ss.SpecStreamMixin, "_run_streams", "streams: total")
-    wrap(sf.StreamRunner, "__call__", "streams: layers")
-    wrap(ss.SpecStreamMixin, "_begin_fused", "streams: fused pass setup")
-    wrap(sf.StreamRunner, "main_kv", "streams: KV gather")
-    wrap(ss.SpecStreamLlamaForCausalLM, "compute_logits", "compute_logits (main + streams)")
-    wrap(SpecStreamProposer, "propose", "proposer.propose")
-    # draft trees (field tree_top_k): node rows redone per layer, acceptance and KV
-    # moves, early-exit pruning
-    from vllm_specstream.model_executor.trees import attention as ta
-    from vllm_specstream.model_executor.trees import sampler as ts
-
-    wrap(ta, "redo_tree_rows", "trees: node rows redone (all layers)")
-    wrap(ts.TreeRejectionSampler, "forward", "trees: sampler (accept + KV move)")
-    wrap(ss.SpecStreamMixin, "_prune", "trees: pruning head")
+    for obj, name, label in profiled_ranges():
+        wrap(obj, name, label)
     from vllm.v1.worker import gpu_model_runner as gmr
 
     runner_cls = gmr.GPUModelRunner
@@ -223,8 +250,11 @@ def main() -> None:
         kw["speculative_config"] = speculative_config(
             args.k, adaptive=args.adaptive, **(never if args.never_draft else {})
         )
+        fields = dict(json_field(f) for f in args.field)
         if args.placement:
-            kw["additional_config"] = {"specstream": {"placement": args.placement}}
+            fields["placement"] = args.placement
+        if fields:
+            kw["additional_config"] = {"specstream": fields}
     llm = LLM(model=args.ckpt, **kw)
     # Fixed lengths (ignore_eos) keep the batch full: the step cost is per batch size.
     params = SamplingParams(
