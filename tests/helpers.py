@@ -47,22 +47,23 @@ def load_benchmark(name: str, register: bool = False):
 # longest of them runs alone while the other worker idles). Unlisted files follow, in
 # collection order.
 LONGEST_FIRST = (
-    "vllm/test_specstream_engine.py",
     "vllm/test_engine_checkpoints.py",
+    "vllm/test_tree_verification.py",
+    "vllm/test_streams_only_serving.py",
+    "vllm/test_specstream_engine.py",
     "vllm/test_lora_serving.py",
     "vllm/test_base_families.py",
-    "vllm/test_streams_only_serving.py",
-    "vllm/test_tree_verification.py",
-    "vllm/test_request_features.py",
-    "vllm/test_eagle3_serving.py",
     "vllm/test_ray_serve.py",
-    "vllm/test_serve.py",
-    "vllm/test_patches.py",
+    "vllm/test_compiled_streams.py",
     "vllm/test_serve_adapters.py",
+    "vllm/test_patches.py",
+    "vllm/test_eagle3_serving.py",
+    "vllm/test_serve.py",
     "training/test_train.py",
     "vllm/test_engine_plugin.py",
+    "vllm/test_request_features.py",
     "unit/test_base_model.py",
-    "vllm/test_stream_weights.py",
+    "unit/test_package.py",
 )
 
 

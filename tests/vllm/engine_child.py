@@ -511,7 +511,8 @@ class ForkServer:
 
     #: Variables read when an engine starts, not when vLLM or PyTorch is imported (pytest
     #: names the running test in PYTEST_CURRENT_TEST: a server started by one test serves
-    #: the next ones).
+    #: the next ones). The plugin's own variables (``SPECSTREAM_*``) too: the plugin is
+    #: imported only in the child.
     FORK_SAFE = frozenset(
         {
             "VLLM_ALLOW_INSECURE_SERIALIZATION",
@@ -551,7 +552,7 @@ class ForkServer:
         imported, as in the server)."""
         for k in set(environ) | set(self.environ):
             value = environ.get(k)
-            if value == self.environ.get(k) or k in self.FORK_SAFE:
+            if value == self.environ.get(k) or k in self.FORK_SAFE or k.startswith("SPECSTREAM_"):
                 continue
             if k in asked or k in self.environ:
                 return False

@@ -177,19 +177,6 @@ def test_qwen2_base_is_served_losslessly(tiny_merged_qwen2):
     assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0
 
 
-def test_tensor_parallel_3_equals_single_rank(tiny_merged_tp3, monkeypatch):
-    """TP 3 (multiprocessing executor): each rank runs the streams on its head shard and the
-    vocab-parallel LM head is gathered; greedy output equals one rank's, with and without
-    speculation."""
-    requests = make_requests(8, seed=3)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 3 ranks on a 2-core machine
-    tp3 = {"tensor_parallel_size": 3, "kv_cache_memory_bytes": 64 << 20}  # per rank
-    single = run_engine(tiny_merged_tp3, 0, {}, requests)
-    spec_tp3 = run_engine(tiny_merged_tp3, 3, tp3, requests)
-    assert spec_tp3["tokens"] == single["tokens"]
-    assert spec_tp3["metrics"]["vllm:spec_decode_num_drafts"] > 0
-
-
 def test_draft_trees_at_tensor_parallel_2_equal_single_rank(tiny_merged, monkeypatch):
     """Draft trees verified by 2 ranks (each its head shard of the tree rows' attention):
     greedy output equals one rank's plain decoding. (Accepted nodes off the chain, whose
