@@ -511,8 +511,7 @@ class ForkServer:
 
     #: Variables read when an engine starts, not when vLLM or PyTorch is imported (pytest
     #: names the running test in PYTEST_CURRENT_TEST: a server started by one test serves
-    #: the next ones). The plugin's own variables (``SPECSTREAM_*``) too: the plugin is
-    #: imported only in the child.
+    #: the next ones).
     FORK_SAFE = frozenset(
         {
             "VLLM_ALLOW_INSECURE_SERIALIZATION",
@@ -521,6 +520,8 @@ class ForkServer:
             "PYTEST_CURRENT_TEST",
         }
     )
+    #: The plugin's own variables: the plugin is imported only in the child, never the server.
+    FORK_SAFE_PREFIX = "SPECSTREAM_"
     _shared: ForkServer | None = None
 
     def __init__(self) -> None:
@@ -547,12 +548,14 @@ class ForkServer:
 
     def can_run(self, environ: dict, asked: dict) -> bool:
         """Whether a run in ``environ`` (with the variables ``asked`` for it) may fork: it
-        differs from the server's environment only in :data:`FORK_SAFE` and in variables
-        that imports in the test process added (vLLM and its dependencies set some when
-        imported, as in the server)."""
+        differs from the server's environment only in :data:`FORK_SAFE`, in variables named
+        with :data:`FORK_SAFE_PREFIX` and in variables that imports in the test process added
+        (vLLM and its dependencies set some when imported, as in the server)."""
         for k in set(environ) | set(self.environ):
             value = environ.get(k)
-            if value == self.environ.get(k) or k in self.FORK_SAFE or k.startswith("SPECSTREAM_"):
+            if value == self.environ.get(k):
+                continue
+            if k in self.FORK_SAFE or k.startswith(self.FORK_SAFE_PREFIX):
                 continue
             if k in asked or k in self.environ:
                 return False
