@@ -257,26 +257,34 @@ def test_amx_cap_patch_applies_only_where_onednn_is_capped_below_amx():
 
 
 @needs_cpu_wheel
-@pytest.mark.parametrize("cap", ["AVX2", None])
-def test_amx_cap_patch_is_applied_by_register(cap):
+@pytest.mark.parametrize(
+    ("cap", "specstream_engine", "amx_kernels"),
+    [("AVX2", True, False), (None, True, True), ("AVX2", False, True)],
+)
+def test_amx_cap_patch_is_applied_by_register(cap, specstream_engine, amx_kernels):
     import torch
 
     from vllm_specstream.machine import cpu_info
+    from vllm_specstream.patches.engine_scope import ENV_PATCHES
 
     # (PyTorch's own probe too: tests/emulate_avx2 hides AMX from it, not from /proc/cpuinfo.)
     if "amx_tile" not in cpu_info()[1] or not torch.cpu._is_amx_tile_supported():
         pytest.skip("needs a CPU with AMX tiles")
     # uncapped: the child drops any cap this process runs under
     uncap = "" if cap else "import os\nos.environ.pop('ONEDNN_MAX_CPU_ISA', None)\n"
+    env = {"ONEDNN_MAX_CPU_ISA": cap} if cap else {}
+    # a specstream engine's processes carry the marker; a plain engine's do not
+    env[ENV_PATCHES] = "1" if specstream_engine else ""
     out = run_python(
         uncap + "from vllm_specstream.patches.registration import register\n"
         "register()\n"
         "import torch\n"
         "print(torch.cpu._is_amx_tile_supported())\n",
-        env={"ONEDNN_MAX_CPU_ISA": cap} if cap else None,
+        env=env,
     )
-    # capped: vLLM is told what oneDNN is (no AMX); uncapped: the CPU's own answer
-    assert out.stdout.strip().endswith("False" if cap else "True"), out.stderr[-3000:]
+    # capped in a specstream engine: vLLM is told what oneDNN is (no AMX); uncapped, or a
+    # plain engine (left as vLLM's own): the CPU's own answer
+    assert out.stdout.strip().endswith(str(amx_kernels)), out.stderr[-3000:]
 
 
 def test_spec_alias_resolution():
