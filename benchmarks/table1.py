@@ -10,7 +10,7 @@ served adapter's (:attr:`Task.evals`), else the task's (``benchmarks/results/<ta
 ``eval-specstream.json`` (tokens per step of the reference decoder and the task metric) and
 ``eval-ntp.json`` (the next-token LoRA baseline's metric). Missing files give missing rows.
 
-    .venv/bin/python benchmarks/table1.py [--cpu-class avx2|avx512_bf16]
+    .venv/bin/python benchmarks/table1.py [--cpu-class avx2|avx512_bf16|amx]
         [--results benchmarks/results] [--out DIR]
 
 The AVX2 table is ``table1.md`` / ``table1.png``; another class's has the class in its name
@@ -53,16 +53,19 @@ class Task:
 
 
 #: The CPU classes with a table (the first: ``table1.md``).
-CPU_CLASSES = ("avx2", "avx512_bf16")
+CPU_CLASSES = ("avx2", "avx512_bf16", "amx")
 
 
 def runs(*avx512_bf16: str) -> tuple[tuple[str, str], ...]:
     """Each class's runs of a task: AVX2's eager ``avx2/bench.json``; on AVX512-BF16 the
     compiled batch-1 runs ``avx512_bf16/<run>/bench.json`` (vLLM's default mode), the newest
     first: the run beside vLLM's ``eagle3`` gives the rows it has (plain, a second plain
-    engine, EAGLE-3, specstream as served), earlier runs the other methods."""
-    return (("avx2", "avx2/bench.json"),) + tuple(
-        ("avx512_bf16", f"avx512_bf16/{run}/bench.json") for run in avx512_bf16
+    engine, EAGLE-3, specstream as served), earlier runs the other methods; on AMX the
+    compiled run beside vLLM's ``eagle3``, ``amx/eagle3/bench.json``."""
+    return (
+        (("avx2", "avx2/bench.json"),)
+        + tuple(("avx512_bf16", f"avx512_bf16/{run}/bench.json") for run in avx512_bf16)
+        + (("amx", "amx/eagle3/bench.json"),)
     )
 
 

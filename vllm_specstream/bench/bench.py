@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -722,7 +723,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_ylabel("speedup vs plain (output tok/s)")
         ax.set_title(f"temperature {t:g}")
         ax.legend()
-    fig.suptitle(title, fontsize=9)
+    # wrapped to the figure's width: a one-panel figure cut a machine's long name off
+    fig.suptitle(textwrap.fill(title, width=85 * len(temps)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
