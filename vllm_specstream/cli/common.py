@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 TASK_HELP = (
     "sql, e2e, dialogsum: the paper's tasks, read from --data FILE in their public format "
@@ -48,6 +49,7 @@ def add_split_args(p: argparse.ArgumentParser, choose_split: bool, val_note: str
     p.add_argument("--split-seed", type=int, default=0, help="seed of that split")
 
 
+@functools.cache  # parsed once a process: CPython 3.11's ast.parse can fail spuriously
 def field_docs(cls) -> dict[str, str]:
     """The attribute docstrings of dataclass ``cls`` (the string under each field), one line
     each, as ``--help`` shows them: roles and backticks dropped, the class's own field names
