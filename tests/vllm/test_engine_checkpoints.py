@@ -177,22 +177,6 @@ def test_qwen2_base_is_served_losslessly(tiny_merged_qwen2):
     assert spec["metrics"]["vllm:spec_decode_num_drafts"] > 0
 
 
-def test_draft_trees_at_tensor_parallel_2_equal_single_rank(tiny_merged, monkeypatch):
-    """Draft trees verified by 2 ranks (each its head shard of the tree rows' attention):
-    greedy output equals one rank's plain decoding. (Accepted nodes off the chain, whose
-    keys/values each rank moves: the E2E adapter at TP 3, test_tree_verification.py.)"""
-    requests = make_requests(8, seed=5)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    tp2 = {"tensor_parallel_size": 2, "kv_cache_memory_bytes": 64 << 20}  # per rank
-    single = run_engine(tiny_merged, 0, {}, requests)
-    trees = run_engine(
-        tiny_merged, 6, tp2, requests, env=INSPECT_ENV, fields=TREE_FIELDS, trees=True
-    )
-    assert trees["tokens"] == single["tokens"]
-    assert trees["trees"]["tree_rows"] > 20, trees["trees"]
-    assert trees["metrics"]["vllm:spec_decode_num_drafts"] > 0
-
-
 def test_prompt_lookup_and_streams_at_tensor_parallel_3_equal_plain_decoding(
     demo, demo_runs, monkeypatch
 ):

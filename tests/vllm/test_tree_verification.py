@@ -198,13 +198,15 @@ def test_trees_and_stream_lora_at_tensor_parallel_3_equal_plain_decoding(e2e, mo
 
 @pytest.fixture(scope="module")
 def compiled(e2e):
-    """The same requests in vLLM's default compiled mode: plain, and trees at every step.
-    The stream pass in the model's dtype, as on a CPU without native bf16 (AVX2, AVX-512
-    without bf16) on every CPU: the adapter's stream LoRA then stays unmerged and the pass
-    runs eagerly beside the compiled decoder (the compiled pass: test_compiled_streams.py)."""
-    ckpt, _, requests, _, _ = e2e
+    """The same requests with trees at every step in vLLM's default compiled mode, beside
+    the plain engine of :func:`e2e` (eager: a second, compiled plain engine would double the
+    cost of this fixture; the compiled pipeline-parallel test also compares with eager plain
+    decoding). The stream pass in the model's dtype, as on a CPU without native bf16 (AVX2,
+    AVX-512 without bf16) on every CPU: the adapter's stream LoRA then stays unmerged and the
+    pass runs eagerly beside the compiled decoder (the compiled pass:
+    test_compiled_streams.py)."""
+    ckpt, _, requests, plain, _ = e2e
     engine = {"block_size": 32, "enforce_eager": False}
-    plain = run_engine(ckpt, 0, engine, requests)
     fields = TREES | SAME_DRAFTS
     tree = run_engine(ckpt, NODES, engine, requests, env=INSPECT_ENV, fields=fields, trees=True)
     return plain, tree
@@ -218,6 +220,6 @@ def test_trees_are_lossless_in_a_compiled_engine(compiled):
     assert tree["tokens"] == plain["tokens"]
     stats = tree["trees"]
     assert stats["tree_rows"] > 20 and stats["off_chain_rows"] > 0, stats
-    # Nothing compiled while serving beyond what plain decoding compiles (vLLM compiles its
-    # logprob ranks at the first request that asks for logprobs).
-    assert tree["graphs_compiled_serving"] == plain["graphs_compiled_serving"]
+    # Nothing compiled while serving but what plain decoding compiles: vLLM's logprob ranks,
+    # one graph at the first request that asks for logprobs.
+    assert tree["graphs_compiled_serving"] <= 1
