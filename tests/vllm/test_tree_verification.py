@@ -220,6 +220,6 @@ def test_trees_are_lossless_in_a_compiled_engine(compiled):
     assert tree["tokens"] == plain["tokens"]
     stats = tree["trees"]
     assert stats["tree_rows"] > 20 and stats["off_chain_rows"] > 0, stats
-    # Nothing compiled while serving but what plain decoding compiles: vLLM's logprob ranks,
-    # one graph at the first request that asks for logprobs.
-    assert tree["graphs_compiled_serving"] <= 1
+    # Nothing compiled while serving beyond what plain decoding compiles (vLLM compiles its
+    # logprob ranks at the first request that asks for logprobs, eager or compiled).
+    assert tree["graphs_compiled_serving"] == plain["graphs_compiled_serving"]
